@@ -1,0 +1,39 @@
+"""`k31` command line: each subcommand lives in its own module and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from k31deploy.errors import K31Error
+
+# module -> registers one or more subcommands via register(subparsers)
+COMMAND_MODULES = (
+    "k31deploy.commands.recipe",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k31", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except K31Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return K31Error.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `k31` CLI, one module per area."""

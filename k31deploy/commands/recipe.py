@@ -1,0 +1,136 @@
+"""`k31 catalog` (every cell of the recipe) and `k31 plan` (what will run on each host)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from typing import Any
+
+from k31deploy.recipe import catalog, iter_cells, knob_specs, layout_text, parse_sets, resolve
+from k31deploy.recipe.catalog import STRATEGY_KNOB
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("catalog", help="every recipe cell with its layout and verification status")
+    p.add_argument("--platform", help="only this platform")
+    p.add_argument("--knobs", action="store_true", help="the knob table (markdown) instead of the cells")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_catalog)
+
+    p = sub.add_parser("plan", help="resolve the recipe for an inventory (or placeholders) and print it")
+    add_plan_args(p)
+    p.add_argument("--json", action="store_true", help="the plan as JSON (the contract in architecture.md)")
+    p.add_argument("--deploy", action="store_true", help="check as a deploy would (refuses placeholder images)")
+    p.set_defaults(func=cmd_plan)
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """The knob options every plan-consuming command shares."""
+    p.add_argument("-i", "--inventory", help="Ansible inventory (INI or YAML); placeholders when omitted")
+    p.add_argument("--platform")
+    p.add_argument("--agents", type=int)
+    p.add_argument("--topology")
+    for knob in STRATEGY_KNOB.values():
+        p.add_argument(f"--{knob.replace('_', '-')}", dest=knob)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KNOB=VALUE",
+                   help="any recipe knob (same as inventory var k31_<knob>); repeatable")
+
+
+def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    knobs = parse_sets(args.sets)
+    direct = ("platform", "agents", "topology", *STRATEGY_KNOB.values())
+    knobs.update({k: getattr(args, k) for k in direct if getattr(args, k) is not None})
+    return parse_sets([f"{k}={v}" for k, v in knobs.items()])
+
+
+def plan_from_args(args: argparse.Namespace, *, require_image: bool = False) -> dict[str, Any]:
+    hosts = None
+    if args.inventory:
+        from k31deploy.inventory import load_hosts
+
+        hosts = load_hosts(args.inventory)
+    return resolve(knobs_from_args(args), hosts, require_image=require_image)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args, require_image=args.deploy)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print(render_plan(plan))
+    return 0
+
+
+def render_plan(plan: dict[str, Any]) -> str:
+    lines = [f"{plan['model']} on {plan['platform']} ({plan['topology']}), image {plan['image']}"]
+    for s in plan["servers"]:
+        lines.append("")
+        lines.append(f"{s['name']}: {s['role']} {s['strategy']} {layout_text(s['layout'])} on "
+                     f"{s['layout']['nnodes']} node(s), {s['verification']}, port {s['port']}"
+                     + (f", bootstrap {s['bootstrap_port']}" if s["bootstrap_port"] else ""))
+        for rank in s["ranks"]:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank["env"].items())
+            lines.append(f"  rank {rank['node_rank']} on {rank['host']}:")
+            lines.append(f"    {env + ' ' if env else ''}{shlex.join(rank['argv'])}")
+    router = plan["router"]
+    lines.append("")
+    if router:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in router["env"].items())
+        lines.append(f"router ({router['kind']}) on {router['host']}, port {router['port']}:")
+        lines.append(f"    {env + ' ' if env else ''}{shlex.join(router['argv'])}")
+    else:
+        lines.append("router: none (clients talk to the server directly)")
+    for warning in plan["warnings"]:
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
+def catalog_rows(platform: str | None = None) -> list[dict[str, Any]]:
+    cat = catalog()
+    rows = []
+    for plat, role, strategy, cell in iter_cells():
+        if platform and plat != platform:
+            continue
+        shape = {"tp": 1, "pp": 1, **cat["shapes"][cell["shape"]]}
+        per_node = cat["platforms"][plat]["gpus_per_node"]
+        gpus = shape["tp"] * shape["pp"]
+        rows.append({
+            "platform": plat, "role": role,
+            "strategy": f"({cell['knob']}=true)" if cell.get("knob") else strategy,
+            "layout": layout_text(shape) + (" MegaMoE" if cell.get("moe_runner") == "megamoe" else ""),
+            "nodes": max(1, gpus // per_node), "gpus": gpus,
+            "verification": cell["verification"], "default": bool(cell.get("default")),
+        })
+    return rows
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    if args.knobs:
+        print(knob_table())
+        return 0
+    if args.platform and args.platform not in catalog()["platforms"]:
+        from k31deploy.errors import K31Error
+
+        raise K31Error(f"platform={args.platform} is not valid; valid platforms: {', '.join(catalog()['platforms'])}")
+    rows = catalog_rows(args.platform)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    head = ("platform", "role", "strategy", "layout", "nodes", "gpus", "verification")
+    table = [head] + [tuple(str(r[h]) + ("*" if h == "strategy" and r["default"] else "") for h in head)
+                      for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print("\n* default strategy for the role; families: "
+          + ", ".join(f"{name} image {fam['image'] or 'none (source checkout)'}" for name, fam in catalog()["families"].items()))
+    return 0
+
+
+def knob_table() -> str:
+    lines = ["| knob | values | what it sets |", "| --- | --- | --- |"]
+    for name, spec in knob_specs().items():
+        values = " \\| ".join(spec["choices"]) if "choices" in spec else spec["type"]
+        lines.append(f"| `{name}` | {values} | {spec['doc']} |")
+    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""Reading an Ansible inventory (INI or YAML, any source Ansible accepts) into the resolver's hosts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from k31deploy.errors import K31Error
+from k31deploy.recipe.hosts import K31_GROUPS, Host, from_mapping
+
+
+def load_hosts(source: str) -> list[Host]:
+    """Hosts of the k31 groups, in inventory order, with their merged variables."""
+    if not Path(source).exists():
+        raise K31Error(f"inventory {source} does not exist; pass -i with an INI or YAML inventory file")
+    # Imported here: ansible is heavy and `k31 plan` without -i never needs it.
+    from ansible.errors import AnsibleError
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.vars.manager import VariableManager
+
+    loader = DataLoader()
+    try:
+        inventory = InventoryManager(loader=loader, sources=[source])
+    except AnsibleError as exc:
+        raise K31Error(f"inventory {source} could not be parsed: {str(exc).splitlines()[0]}") from None
+    if not inventory.list_hosts("all") or not any(g in inventory.groups for g in K31_GROUPS):
+        raise K31Error(
+            f"inventory {source} has no host in a k31 group; valid groups: {', '.join(K31_GROUPS)}"
+        )
+    variables = VariableManager(loader=loader, inventory=inventory)
+    hosts = []
+    for host in inventory.list_hosts("all"):
+        groups = [g.name for g in host.get_groups()]
+        if not any(g in K31_GROUPS for g in groups):
+            continue
+        hostvars = variables.get_vars(host=host, include_hostvars=False, include_delegate_to=False)
+        hosts.append(from_mapping(host.name, groups, dict(hostvars)))
+    return hosts

@@ -1,0 +1,254 @@
+"""Turning resolved servers into the exact command lines and environments each process runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k31deploy.recipe.resolver import Server, _Resolver
+
+
+def _extend(argv: list[str], flags: dict[str, Any]) -> None:
+    """Append `{flag: value}`: True is a bare switch, None/False are left out."""
+    for flag, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append(flag)
+        if value is not True:
+            argv.append(str(value))
+
+
+class EngineArgv:
+    def __init__(self, r: _Resolver):
+        self.r = r
+        self.cat = r.cat
+
+    # -- engines ---------------------------------------------------------------------------------
+    def server(self, s: Server) -> dict[str, Any]:
+        port = self.cat["ports"][s.role]
+        bootstrap = self.cat["ports"]["bootstrap"] if s.role == "prefill" else None
+        ranks = []
+        for rank, host in enumerate(s.hosts):
+            argv = self.argv(s, rank, port)
+            self.r.emit_check("tpu" if self.r.tpu else "engine", argv[len(self.launcher()):])
+            ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
+                          "argv": argv, "env": self.env(s, port)})
+        return {
+            "name": s.name,
+            "role": s.role,
+            "strategy": s.strategy,
+            "layout": dict(s.layout),
+            "verification": s.cell["verification"],
+            "port": port,
+            "bootstrap_port": bootstrap,
+            "moe_runner": s.moe_runner,
+            "speculative": "dflash" if s.speculative else "none",
+            "kv_offload": s.kv_offload,
+            "monokernel": s.monokernel,
+            "ranks": ranks,
+        }
+
+    def launcher(self) -> list[str]:
+        if self.r.router == "dynamo" and not self.r.tpu:
+            return list(self.cat["dynamo"]["worker"])
+        return list(self.r.family["launcher"])
+
+    def argv(self, s: Server, rank: int, port: int) -> list[str]:
+        r, cat, k = self.r, self.cat, self.r.knob
+        argv = self.launcher()
+        if r.tpu:
+            return argv    # seed 3.4: everything else lives in the launcher's config
+        lay = s.layout
+        flags: dict[str, Any] = {
+            "--model-path": k("model_path", cat["model"]["name"]),
+            "--served-model-name": cat["model"]["name"],
+            "--trust-remote-code": True,
+        }
+        if r.router != "dynamo":    # a dynamo.sglang worker serves no HTTP; the frontend does
+            flags.update({"--host": "0.0.0.0", "--port": port})
+        flags.update({
+            "--tp-size": lay["tp"],
+            "--dp-size": lay["dp"] if lay["dp"] > 1 else None,
+            "--enable-dp-attention": lay["dp"] > 1,
+            "--pp-size": lay["pp"] if lay["pp"] > 1 else None,
+            # MegaMoE sets EP itself (EP = TP); TRT-LLM takes the cell's EP.
+            "--ep-size": lay["ep"] if lay["ep"] > 1 and s.moe_runner != "megamoe" else None,
+            "--dcp-size": lay["dcp"] if lay["dcp"] > 1 else None,
+            "--dcp-comm-backend": k("dcp_comm_backend", s.cell.get("dcp_comm_backend")) if lay["dcp"] > 1 else None,
+            "--enable-prefill-cp": lay["pcp"] > 1,
+            "--attn-cp-size": lay["pcp"] if lay["pcp"] > 1 else None,
+        })
+        if lay["pp"] > 1:
+            flags.update(cat["pp"]["flags"])
+        if lay["nnodes"] > 1:
+            head = s.hosts[0].address
+            flags.update({"--nnodes": lay["nnodes"], "--node-rank": rank,
+                          "--dist-init-addr": f"{head}:{k('dist_init_port', cat['ports']['dist_init'])}"})
+        if s.role in ("prefill", "decode"):
+            flags.update({
+                "--disaggregation-mode": s.role,
+                "--disaggregation-transfer-backend": r.transfer,
+                "--disaggregation-bootstrap-port": cat["ports"]["bootstrap"] if s.role == "prefill" else None,
+                "--disaggregation-ib-device": k("disaggregation_ib_device"),
+            })
+        self._moe(s, flags)
+        flags.update(cat["attention_backends"][k("attention_backend", "flashmla")]["flags"]
+                     if s.moe_runner is not None else {})
+        self._speculative(s, flags)
+        self._hicache(s, flags)
+        flags.update({
+            "--max-mamba-cache-size": k("kda_state_slots"),
+            "--mamba-full-memory-ratio": k("mamba_full_memory_ratio"),
+        })
+        if "kda_states_per_path" in r.k:
+            flags["--mamba-max-states-per-path"] = r.k["kda_states_per_path"]
+        flags.update({
+            "--max-running-requests": s.max_running_requests,
+            "--cuda-graph-max-bs-decode": s.cuda_graph_max_bs_decode,
+            "--mem-fraction-static": k("mem_fraction_static"),
+            "--prefill-decode-interval": k("prefill_decode_interval"),
+            "--cuda-graph-backend-prefill": k("prefill_cuda_graph") if s.role != "decode" else None,
+            "--enable-symm-mem": bool(k("enable_symm_mem")),
+        })
+        if s.monokernel:
+            flags.update(cat["amd"]["monokernel"]["flags"])
+        flags.update({
+            "--reasoning-parser": k("reasoning_parser", cat["parsers"]["reasoning"]),
+            "--tool-call-parser": k("tool_call_parser", cat["parsers"]["tool_call"]),
+            "--enable-metrics": True,
+        })
+        _extend(argv, flags)
+        return argv
+
+    def _moe(self, s: Server, flags: dict[str, Any]) -> None:
+        if s.moe_runner != "megamoe":
+            return
+        mega = self.cat["moe_runners"]["megamoe"]
+        flags.update(mega["flags"])
+        if s.flat_tp:
+            flags["--shared-experts-tp-size"] = self.r.knob(
+                "shared_experts_tp_size", mega["flat_tp_flags"]["--shared-experts-tp-size"])
+
+    def _speculative(self, s: Server, flags: dict[str, Any]) -> None:
+        if not s.speculative:
+            return
+        dflash = self.cat["speculative"]["dflash"]
+        flags.update(dflash["flags"])
+        flags[dflash["draft_flag"]] = self.r.knob("draft_model_path", self.cat["model"]["draft"])
+        flags[dflash["block_flag"]] = s.dflash_block
+        flags.update(dflash["family"].get(self.r.family_name, {}).get("flags", {}))
+        if s.role in dflash["replayssm_roles"]:
+            flags[dflash["replayssm_flag"]] = True
+
+    def _hicache(self, s: Server, flags: dict[str, Any]) -> None:
+        hc, k = self.cat["hicache"], self.r.knob
+        if s.hicache:
+            if self.r.rocm:
+                flags.update(hc["rocm"]["flags"])
+                flags["--hicache-ratio"] = k("hicache_ratio", hc["rocm"]["ratio"])
+                flags["--hicache-write-policy"] = k("hicache_write_policy", hc["rocm"]["write_policy"])
+            else:
+                flags.update(hc["overlay"]["flags"])
+                flags["--hicache-ratio"] = k("hicache_ratio")
+                flags["--hicache-write-policy"] = k("hicache_write_policy")
+            if s.kv_offload == "mooncake":
+                flags.update(hc["mooncake"]["flags"])
+        radix = k("decode_radix_cache", s.hicache)
+        if s.role == "decode" and radix:
+            flags[hc["decode_radix_flag"]] = True
+
+    def env(self, s: Server, port: int) -> dict[str, str]:
+        r, cat = self.r, self.cat
+        env: dict[str, Any] = dict(r.family["env"])
+        env.update(s.cell.get("env", {}))
+        if s.layout["pp"] > 1 and "pp_layer_partition" in r.k:
+            env[cat["pp"]["partition_env"]] = r.k["pp_layer_partition"]
+        if r.rocm:
+            amd = cat["amd"]
+            env[amd["runtime_reserve_env"]] = amd["runtime_reserve_gb"]["dcp" if s.layout["dcp"] > 1 else "tp"]
+            if s.monokernel:
+                env.update(amd["monokernel"]["env"])
+            if s.hicache:
+                hc = cat["hicache"]["rocm"]
+                env[hc["mamba_host_ratio_env"]] = r.knob(
+                    "hicache_mamba_host_ratio", s.cell.get("hicache_mamba_host_ratio", hc["mamba_host_ratio"]))
+                env.update(hc["env"])
+        elif s.hicache and "hicache_mamba_host_ratio" in r.k:
+            env[cat["hicache"]["rocm"]["mamba_host_ratio_env"]] = r.k["hicache_mamba_host_ratio"]
+        if s.moe_runner == "megamoe":
+            mega = cat["moe_runners"]["megamoe"]
+            env[mega["token_cap_env"]] = r.knob("megamoe_token_cap", mega["token_cap"][s.role])
+        if r.pinfo.get("nvl72"):
+            if s.layout["nnodes"] > 1:
+                env.update(cat["nvl72"]["multinode_env"])
+            if s.role != "unified" and r.knob("mooncake_mnnvl", True):
+                env.update(cat["nvl72"]["pd_env"])
+        if s.kv_offload == "mooncake":
+            mc = cat["hicache"]["mooncake"]
+            env.update(mc["env"])
+            env[mc["master_env"]] = f"{r.mooncake_host.address}:{mc['master_port']}"
+        if r.router == "dynamo":
+            dyn = cat["dynamo"]
+            env.update(dyn["worker_system_env"])
+            env[dyn["worker_system_port_env"]] = port
+            env.update(self.dynamo_discovery_env())
+        return {key: str(value) for key, value in env.items()}
+
+    def dynamo_discovery_env(self) -> dict[str, str]:
+        host = self.r.router_host.address
+        ports = self.cat["ports"]
+        return {"ETCD_ENDPOINTS": f"http://{host}:{ports['etcd']}", "NATS_SERVER": f"nats://{host}:{ports['nats']}"}
+
+    def mooncake_master(self) -> dict[str, Any] | None:
+        host = self.r.mooncake_host
+        if host is None:
+            return None
+        mc = self.cat["hicache"]["mooncake"]
+        return {"host": host.name, "address": host.address, "port": mc["master_port"],
+                "metrics_port": mc["metrics_port"]}
+
+
+def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if r.router == "none":
+        return None
+    cat, host = r.cat, r.router_host
+    cfg = cat["router"]
+    if r.router == "dynamo":
+        dyn = cat["dynamo"]
+        argv = [*dyn["frontend"], "--http-host", cfg["bind_host"], "--http-port", str(cat["ports"]["router"]),
+                "--router-mode", dyn["router_mode"], "--router-session-affinity-ttl-secs",
+                str(r.knob("dynamo_session_affinity_ttl", dyn["session_affinity_ttl_secs"])),
+                "--discovery-backend", dyn["discovery_backend"], "--event-plane", dyn["event_plane"]]
+        r.emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
+        env = EngineArgv(r).dynamo_discovery_env()
+        return {"kind": "dynamo", "host": host.name, "address": host.address, "port": cat["ports"]["router"],
+                "argv": argv, "env": env}
+    dialect = cfg["dialects"][r.dialect]
+    argv = list(dialect["launcher"])
+
+    def url(server: dict[str, Any]) -> str:
+        return f"http://{server['ranks'][0]['address']}:{server['port']}"
+
+    if r.topology == "pd":
+        argv.append("--pd-disaggregation")
+        for s in servers:
+            if s["role"] == "prefill":
+                argv += ["--prefill", url(s), str(s["bootstrap_port"])]
+        for s in servers:
+            if s["role"] == "decode":
+                argv += ["--decode", url(s)]
+    else:
+        argv += ["--worker-urls", *(url(s) for s in servers)]
+    argv += ["--host", cfg["bind_host"], "--port", str(cat["ports"]["router"]), "--policy", cfg["policy"]]
+    if dialect["model_flags"]:
+        argv += ["--model-id", cat["model"]["name"]]
+        model_path = r.knob("model_path")
+        if model_path and model_path.startswith("/"):   # a hub id: the router falls back to --model-id
+            argv += ["--tokenizer-path", f"{model_path.rstrip('/')}/tokenizer.json"]
+    argv += ["--request-timeout-secs", str(cfg["request_timeout_secs"])]
+    if dialect["metrics_flags"]:
+        argv += ["--prometheus-host", cfg["bind_host"], "--prometheus-port", str(cat["ports"]["router_metrics"])]
+    launcher_len = len(dialect["launcher"])
+    r.emit_check("router", argv[launcher_len:])
+    return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,
+            "port": cat["ports"]["router"], "argv": argv, "env": dict(cfg["env"])}

@@ -1,0 +1,513 @@
+"""resolve(knobs, hosts) -> plan: the only place the recipe's rules are applied.
+
+Pure and deterministic: no Ansible, no I/O beyond reading the catalog. Every refusal is a
+K31Error with one sentence naming the setting and the valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from k31deploy.errors import K31Error
+from k31deploy.recipe import hosts as hostlib
+from k31deploy.recipe.catalog import ROLES, STRATEGY_KNOB, catalog, flag_registry, offered, platform_cells
+from k31deploy.recipe.hosts import Host
+from k31deploy.recipe.knobs import normalise
+
+LAYOUT_KEYS = ("tp", "dcp", "pp", "pcp", "ep", "dp", "nnodes")
+VERIFICATION_TEXT = {
+    "verified": "Verified",
+    "in-progress": "Final Verification In Progress (the recipe runs and is queued for measurement)",
+    "not-verified": "Not Verified (Playground only)",
+}
+
+
+@dataclass
+class Server:
+    name: str
+    role: str
+    strategy: str
+    cell: dict[str, Any]
+    layout: dict[str, int]
+    hosts: list[Host] = field(default_factory=list)
+    moe_runner: str | None = None
+    speculative: bool = False
+    dflash_block: int | None = None
+    kv_offload: str = "none"
+    monokernel: bool = False
+    max_running_requests: int | None = None
+    cuda_graph_max_bs_decode: int | None = None
+
+    @property
+    def flat_tp(self) -> bool:
+        return all(self.layout[k] == 1 for k in ("dcp", "pp", "pcp", "dp"))
+
+    @property
+    def hicache(self) -> bool:
+        return self.kv_offload in ("hicache", "mooncake")
+
+
+def resolve(knobs: dict[str, Any] | None = None, hosts: list[Host] | None = None, *,
+            require_image: bool = False) -> dict[str, Any]:
+    """Resolve knobs (typed or strings) and an optional host layout into a plan (JSON contract)."""
+    return _Resolver(knobs or {}, hosts, require_image).run()
+
+
+def layout_text(layout: dict[str, int]) -> str:
+    """`{"tp": 8, "dcp": 8, "ep": 2}` -> "TP8 · DCP8 · EP2" (the seed's notation)."""
+    parts = [f"{k.upper()}{layout[k]}" for k in ("pp", "pcp", "tp", "dp", "dcp", "ep") if layout.get(k, 1) > 1]
+    return " · ".join(parts) or "TP1"
+
+
+class _Resolver:
+    def __init__(self, knobs: dict[str, Any], hosts: list[Host] | None, require_image: bool):
+        self.cat = catalog()
+        self.inventory = hosts
+        inv_knobs = hostlib.inventory_knobs(hosts) if hosts is not None else {}
+        self.k = {**normalise(inv_knobs, "inventory"), **normalise(knobs, "settings")}
+        self.require_image = require_image
+        self.warnings: list[str] = []
+        self.servers: list[Server] = []
+
+    # -- helpers -------------------------------------------------------------------------------
+    def knob(self, name: str, default: Any = None) -> Any:
+        value = self.k.get(name)
+        return default if value is None else value
+
+    def refuse_unless(self, condition: bool, knob: str, why: str) -> None:
+        """A knob that only makes sense in some setups: refuse it (explicitly set) elsewhere."""
+        if not condition and knob in self.k:
+            raise K31Error(f"{knob}={self.k[knob]} {why}")
+
+    def warn(self, text: str) -> None:
+        if text not in self.warnings:
+            self.warnings.append(text)
+
+    # -- pipeline --------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self._platform()
+        self._agents()
+        self._topology()
+        self._cells()
+        self._router_kind()
+        self._place()
+        self._speculative()
+        self._kv_offload()
+        self._monokernel()
+        self._moe_checks()
+        self._concurrency()
+        self._other_checks()
+        self._cell_warnings()
+        return self._plan()
+
+    def _platform(self) -> None:
+        platform = self.k.get("platform")
+        if platform is None:
+            raise K31Error(f"platform is not set; valid platforms: {', '.join(self.cat['platforms'])}")
+        self.platform = platform
+        self.pinfo = self.cat["platforms"][platform]
+        self.family_name = self.pinfo["family"]
+        self.family = self.cat["families"][self.family_name]
+        self.rocm = self.family_name == "rocm"
+        self.tpu = self.family_name == "tpu"
+        if self.tpu:
+            # seed 3.4: the TPU launcher reads its own config; engine knobs do not reach it.
+            engine_knobs = sorted(set(self.k) - {"platform", "topology", "unified_strategy", "image",
+                                                 "router", "router_dialect"})
+            if engine_knobs:
+                raise K31Error(
+                    f"{engine_knobs[0]} does not apply to tpu7x: the TPU launcher takes "
+                    f"recipe/configs/kimi_k3_1/server.py (seed 3.4); valid knobs there: platform, image, router"
+                )
+
+    def _agents(self) -> None:
+        """seed AMD: pick the recipe by agent count (MI350X / MI355X only)."""
+        self.agent_row: dict[str, Any] | None = None
+        agents = self.k.get("agents")
+        if agents is None or not self.rocm:
+            return
+        rows = self.cat["amd"]["agents"]
+        for row in rows:
+            if row["min"] <= agents and (row["max"] is None or agents <= row["max"]):
+                self.agent_row = row
+                break
+        else:
+            ranges = ", ".join(f"{r['min']}-{r['max'] or ''}" for r in rows)
+            raise K31Error(
+                f"agents={agents} is outside the seed's measured ranges on {self.platform} ({ranges}); "
+                f"pick 4 (unified low-latency) or 8 (unified high-throughput)"
+            )
+        row = self.agent_row
+        picks = {"topology": row["topology"]}
+        roles = ("unified",) if row["topology"] == "unified" else ("prefill", "decode")
+        picks.update({STRATEGY_KNOB[r]: row["strategy"] for r in roles})
+        for knob, value in picks.items():
+            if knob in self.k and self.k[knob] != value:
+                raise K31Error(
+                    f"{knob}={self.k[knob]} contradicts agents={agents}, which picks {knob}={value} on "
+                    f"{self.platform} (seed AMD: pick the recipe by agent count); unset one of them"
+                )
+
+    def _topology(self) -> None:
+        row = self.agent_row or {}
+        self.topology = self.knob("topology", row.get("topology", "unified"))
+        self.roles = ("unified",) if self.topology == "unified" else ("prefill", "decode")
+        if self.topology == "pd" and not offered(self.platform, "prefill"):
+            raise K31Error(f"topology=pd is not offered on {self.platform}; valid topologies: unified")
+        for role in ROLES:
+            self.refuse_unless(role in self.roles, STRATEGY_KNOB[role],
+                               f"applies to {role} servers, and topology={self.topology} has none")
+        self.refuse_unless(self.topology == "pd", "transfer_backend", "applies to topology=pd only")
+        self.refuse_unless(self.topology == "pd", "decode_radix_cache", "applies to PD decode servers only")
+        self.refuse_unless(self.topology == "unified", "prefill_decode_interval",
+                           "applies to unified servers only (a PD server runs one phase)")
+
+    def _cells(self) -> None:
+        row = self.agent_row or {}
+        self.cells: dict[str, tuple[str, dict[str, Any]]] = {}
+        for role in self.roles:
+            knob = STRATEGY_KNOB[role]
+            choices = offered(self.platform, role)
+            default = row.get("strategy") or next(s for s in choices if platform_cells(self.platform)[role][s]
+                                                  .get("default"))
+            strategy = self.knob(knob, default)
+            if strategy not in choices:
+                raise K31Error(
+                    f"{knob}={strategy} is not offered on {self.platform}; valid choices: {', '.join(choices)}"
+                )
+            self.cells[role] = (strategy, platform_cells(self.platform)[role][strategy])
+        if self.knob("wide_ep"):
+            wide = {r: (s, c) for r, cs in platform_cells(self.platform).items() for s, c in cs.items()
+                    if c.get("knob") == "wide_ep"}
+            if not wide:
+                raise K31Error(f"wide_ep=true is a GB300 decode cell; {self.platform} does not offer it")
+            if self.topology != "pd":
+                raise K31Error("wide_ep=true is a PD decode server; set topology=pd")
+            if "decode_strategy" in self.k:
+                raise K31Error("wide_ep=true replaces decode_strategy; unset decode_strategy")
+            self.cells.update(wide)
+
+    def _moe_runner(self, role: str, cell: dict[str, Any]) -> str | None:
+        if self.platform not in self.cat["dsa_platforms"]:
+            return None
+        runner = self.knob("moe_runner", cell.get("moe_runner", "trtllm"))
+        if cell.get("knob") == "wide_ep" and runner != "megamoe":
+            raise K31Error("moe_runner=trtllm contradicts wide_ep=true: WideEP decode is MegaMoE EP16 (seed)")
+        return runner
+
+    def _layout(self, cell: dict[str, Any], runner: str | None) -> dict[str, int]:
+        layout = {k: 1 for k in LAYOUT_KEYS}
+        layout.update(self.cat["shapes"][cell["shape"]])
+        if runner == "megamoe":
+            layout["ep"] = layout["tp"]    # seed: MegaMoE sets EP to the TP size
+        world = layout["tp"] * layout["pp"]
+        per_node = self.pinfo["gpus_per_node"]
+        if world > per_node and world % per_node:
+            raise K31Error(f"shape {cell['shape']} needs {world} GPUs, not a multiple of {per_node} per node")
+        layout["nnodes"] = max(1, world // per_node)
+        return layout
+
+    def _router_kind(self) -> None:
+        router_cfg = self.cat["router"]
+        default = router_cfg["default_kind"][self.family_name]
+        if self.topology == "pd" and default == "none":
+            default = "sglang"
+        elif self.topology == "unified" and default == "none" and self.inventory is not None and any(
+                hostlib.ROUTER_GROUP in h.groups for h in self.inventory):
+            default = "sglang"    # the inventory asks for a router in front of unified servers
+        self.router = self.knob("router", default)
+        if self.topology == "pd" and self.router == "none":
+            raise K31Error("router=none cannot serve topology=pd: the router pairs prefill and decode; "
+                           "valid choices: sglang, dynamo")
+        self.refuse_unless(self.router == "sglang", "router_dialect", "applies to router=sglang only")
+        self.refuse_unless(self.router == "dynamo", "dynamo_session_affinity_ttl", "applies to router=dynamo only")
+        self.dialect = self.knob("router_dialect", router_cfg["default_dialect"][self.family_name])
+
+    def _place(self) -> None:
+        """Servers with their hosts: from the inventory, or placeholders laid out as the recipe needs."""
+        layouts = {}
+        for role, (strategy, cell) in self.cells.items():
+            runner = self._moe_runner(role, cell)
+            layouts[role] = (strategy, cell, runner, self._layout(cell, runner))
+        mooncake = self.knob("kv_offload") == "mooncake"
+        hosts = self.inventory
+        if hosts is None:
+            hosts = hostlib.placeholders({r: v[3]["nnodes"] for r, v in layouts.items()},
+                                         router=self.router != "none", mooncake=mooncake)
+        hostlib.check_memberships(hosts)
+        for role in ROLES:
+            grouped = hostlib.group_servers(hosts, role)
+            if role not in layouts:
+                if grouped:
+                    raise K31Error(
+                        f"hosts in group {hostlib.ENGINE_GROUPS[role]} ({grouped[0].hosts[0].name}) but "
+                        f"topology={self.topology}; valid groups here: "
+                        f"{', '.join(hostlib.ENGINE_GROUPS[r] for r in self.roles)}"
+                    )
+                continue
+            if not grouped:
+                raise K31Error(f"topology={self.topology} needs at least one host in group "
+                               f"{hostlib.ENGINE_GROUPS[role]}")
+            strategy, cell, runner, layout = layouts[role]
+            for g in grouped:
+                if len(g.hosts) != layout["nnodes"]:
+                    raise K31Error(
+                        f"server {g.name} has {len(g.hosts)} host(s) ({', '.join(h.name for h in g.hosts)}) "
+                        f"but {role} {strategy} on {self.platform} needs {layout['nnodes']} "
+                        f"({layout['tp'] * layout['pp']} GPUs at {self.pinfo['gpus_per_node']} per node); "
+                        f"give the server's hosts the same k31_server"
+                    )
+                self.servers.append(Server(g.name, role, strategy, cell, dict(layout), g.hosts, runner))
+        self.router_host = self._first_in(hosts, hostlib.ROUTER_GROUP, self.router != "none",
+                                          f"router={self.router}")
+        self.mooncake_host = self._first_in(hosts, hostlib.MOONCAKE_GROUP, mooncake, "kv_offload=mooncake")
+        if self.router == "none" and any(hostlib.ROUTER_GROUP in h.groups for h in hosts):
+            self.warn("hosts in k31_router are unused: router=none")
+
+    @staticmethod
+    def _first_in(hosts: list[Host], group: str, needed: bool, why: str) -> Host | None:
+        found = [h for h in hosts if group in h.groups]
+        if needed and not found:
+            raise K31Error(f"{why} needs a host in group {group}")
+        return found[0] if needed else None
+
+    # -- features --------------------------------------------------------------------------------
+    def _speculative(self) -> None:
+        pp_servers = [s for s in self.servers if s.layout["pp"] > 1]
+        placeholder = any(s.cell.get("placeholder") for s in self.servers)
+        default = "none" if (pp_servers or placeholder or self.tpu) else "dflash"
+        spec = self.knob("speculative", default)
+        if spec == "dflash" and pp_servers:
+            raise K31Error(
+                f"speculative=dflash cannot run with the PP{pp_servers[0].layout['pp']} × "
+                f"PCP{pp_servers[0].layout['pcp']} {pp_servers[0].role} ({pp_servers[0].strategy}): PP is "
+                f"not speculative and DFLASH must run on both PD roles (seed 3.3); valid: speculative=none, "
+                f"or prefill_strategy=low-latency"
+            )
+        if pp_servers and spec == "none" and "speculative" not in self.k and self.topology == "pd":
+            self.warn("DFLASH is off: the PP4 × PCP2 prefill is not speculative and DFLASH must run on both "
+                      "PD roles (seed 3.3)")
+        self.speculative = spec
+        self.refuse_unless(spec == "dflash", "dflash_block", "needs speculative=dflash")
+        self.refuse_unless(spec == "dflash", "draft_model_path", "needs speculative=dflash")
+        dflash = self.cat["speculative"]["dflash"]
+        fam = dflash["family"].get(self.family_name, {})
+        for s in self.servers:
+            s.speculative = spec == "dflash"
+            if s.speculative:
+                s.dflash_block = self.knob("dflash_block", s.cell.get("dflash_block", fam.get("block",
+                                                                                              dflash["block"])))
+        if spec == "dflash" and "draft_model_path" not in self.k:
+            self.warn(f"the seed names the draft Kimi-K3.1-Dflash2-Preview without its org; k31 uses "
+                      f"{self.cat['model']['draft']} (the measured runs read a local copy: set draft_model_path)")
+
+    def _kv_offload(self) -> None:
+        explicit = self.k.get("kv_offload")
+        row_default = (self.agent_row or {}).get("kv_offload")
+        for s in self.servers:
+            if self.rocm:
+                default = row_default or "hicache"
+                if s.cell.get("hicache") is False:
+                    if explicit in ("hicache", "mooncake") and all(x.cell.get("hicache") is False
+                                                                  for x in self.servers):
+                        raise K31Error(
+                            f"kv_offload={explicit}: {self.platform} {s.role} {s.strategy} runs without "
+                            f"HiCache (seed AMD HiCache); valid choices: none"
+                        )
+                    s.kv_offload = "none"
+                    continue
+                s.kv_offload = explicit or default
+            else:
+                s.kv_offload = explicit or "none"
+            if s.kv_offload == "mooncake" and s.role == "decode":
+                s.kv_offload = "none"    # field notes §3: in PD the store's HiCache flags go on the prefill
+        any_hicache = any(s.hicache for s in self.servers)
+        for knob in ("hicache_write_policy", "hicache_ratio", "hicache_mamba_host_ratio"):
+            self.refuse_unless(any_hicache, knob, "needs kv_offload=hicache or mooncake on some server")
+
+    def _monokernel(self) -> None:
+        row = self.agent_row or {}
+        mono = self.knob("monokernel", row.get("monokernel", False))
+        if mono and not self.rocm:
+            raise K31Error(f"monokernel=true is the MI350X / MI355X decode monokernel; {self.platform} has none "
+                           f"(valid: monokernel=false)")
+        if not mono:
+            return
+        roles = self.cat["amd"]["monokernel"]["roles"]
+        for s in self.servers:
+            if s.role not in roles:
+                continue
+            if s.hicache:
+                raise K31Error(
+                    f"monokernel=true does not accept KV offload (seed AMD Monokernel), but {s.name} has "
+                    f"kv_offload={s.kv_offload}; valid: kv_offload=none, or monokernel=false"
+                )
+            s.monokernel = True
+            if s.role == "decode":
+                self.warn(f"{s.name}: the monokernel was measured on the single-node recipes (1 to 8 agents); "
+                          f"on a PD decode it is derived")
+
+    def _moe_checks(self) -> None:
+        dsa = self.platform in self.cat["dsa_platforms"]
+        for knob in ("moe_runner", "attention_backend"):
+            self.refuse_unless(dsa, knob, f"is offered on {', '.join(self.cat['dsa_platforms'])} only "
+                                          f"(seed Configuration Tips), not {self.platform}")
+        mega = [s for s in self.servers if s.moe_runner == "megamoe"]
+        if mega and self.knob("enable_symm_mem"):
+            raise K31Error("enable_symm_mem=true deadlocks with moe_runner=megamoe (seed Tuning notes); "
+                           "valid: enable_symm_mem=false, or moe_runner=trtllm")
+        self.refuse_unless(bool(mega), "megamoe_token_cap", "needs moe_runner=megamoe on some server")
+        self.refuse_unless(any(s.flat_tp for s in mega), "shared_experts_tp_size",
+                           "applies to MegaMoE on the flat TP cells only (seed MoE Runner)")
+        cfg = self.cat["moe_runners"]["megamoe"]
+        for s in self.servers:
+            measured = f"{s.role}/{s.strategy}" in cfg["measured_on"]
+            if s.moe_runner == "megamoe" and not measured:
+                self.warn(f"{s.name}: MegaMoE has only been measured on the High-Throughput (PP4 × PCP2) "
+                          f"prefill; TRT-LLM on the other cells (seed)")
+            if s.moe_runner == "trtllm" and measured:
+                self.warn(f"{s.name}: the High-Throughput prefill cell carries MegaMoE; TRT-LLM here was "
+                          f"not measured (seed)")
+            if s.moe_runner == "megamoe":
+                cap = self.knob("megamoe_token_cap", cfg["token_cap"][s.role])
+                self.warn(f"{s.name}: MegaMoE reserves a symmetric workspace growing with EP "
+                          f"{s.layout['ep']} × token cap {cap}; lower mem_fraction_static if startup runs out "
+                          f"of memory (seed)")
+        backend = self.knob("attention_backend", "flashmla")
+        if backend != "flashmla":
+            self.warn(f"attention_backend={backend} stores the KV as plain FP8 and runs the query in FP8; "
+                      f"numerics differ slightly from FlashMLA (seed)")
+
+    def _concurrency(self) -> None:
+        agents = self.k.get("agents")
+        overrides = self.cat["amd"]["concurrency_overrides"]
+        derived = overrides.get(agents, agents) if agents is not None else None
+        for s in self.servers:
+            if s.role == "prefill":
+                continue
+            s.max_running_requests = self.knob("max_running_requests", derived)
+            if self.rocm and derived is not None:
+                s.cuda_graph_max_bs_decode = derived
+            s.cuda_graph_max_bs_decode = self.knob("cuda_graph_max_bs_decode", s.cuda_graph_max_bs_decode)
+            needs = []
+            if s.speculative:
+                needs.append("DFLASH decode (seed Tuning notes: DFLASH)")
+            if s.moe_runner == "megamoe":
+                needs.append("MegaMoE on a non-prefill role (seed Tuning notes: MegaMoE)")
+            if needs and s.max_running_requests is None:
+                raise K31Error(
+                    f"max_running_requests is not set, but {s.name} ({s.role}) runs {' and '.join(needs)}, "
+                    f"which needs an explicit --max-running-requests; set max_running_requests=N or agents=N"
+                )
+        if (self.rocm and self.topology == "pd" and agents is not None
+                and "max_running_requests" not in self.k):
+            self.warn(f"max_running_requests={derived} on the 1P1D decode follows the agent count; the seed "
+                      f"gives it for the single-node shape only (derived)")
+
+    def _other_checks(self) -> None:
+        k = self.k
+        mfs = k.get("mem_fraction_static")
+        limit = self.cat["amd"]["mem_fraction_static_max_single_node"]
+        if mfs is not None and self.rocm and self.topology == "unified" and mfs > limit:
+            raise K31Error(
+                f"mem_fraction_static={mfs} is too high on the {self.platform} single-node recipe: 0.87 and 0.88 "
+                f"overflowed GTT at startup or ran slower (seed AMD Memory); valid: <= {limit}"
+            )
+        dcp = [s for s in self.servers if s.layout["dcp"] > 1]
+        self.refuse_unless(bool(dcp), "dcp_comm_backend", "needs a DCP layout (dcp > 1) on some server")
+        transfer = k.get("transfer_backend", self.cat["pd"]["transfer_default"])
+        if self.topology == "pd" and transfer != self.cat["pd"]["dcp_requires"] and dcp:
+            raise K31Error(
+                f"transfer_backend={transfer} is rejected by DCP ({dcp[0].name} runs "
+                f"{layout_text(dcp[0].layout)}) on either PD role (seed 3.3); valid choices: mooncake"
+            )
+        self.transfer = transfer
+        pp = [s for s in self.servers if s.layout["pp"] > 1]
+        self.refuse_unless(bool(pp), "pp_layer_partition", "applies to the PP4 × PCP2 prefill only")
+        if "pp_layer_partition" in k and pp:
+            self._check_partition(k["pp_layer_partition"], pp[0].layout["pp"])
+        self.refuse_unless(any(s.role in ("unified", "prefill") for s in self.servers), "prefill_cuda_graph",
+                           "applies to unified and prefill servers only")
+        per_path = k.get("kda_states_per_path")
+        if per_path == 1 and self.rocm and any(s.hicache for s in self.servers):
+            self.warn("kda_states_per_path=1 lowered the prefix hit rate on MI355X; the recipes keep every "
+                      "KDA state per path (seed AMD HiCache)")
+        if self.knob("decode_radix_cache") or any(s.hicache and s.role == "decode" for s in self.servers):
+            self.warn("the PD decode radix cache still keeps one KDA state slot per request: the decode tree "
+                      "caches KV only (seed)")
+
+    def _check_partition(self, text: str, pp: int) -> None:
+        layers = self.cat["model"]["num_layers"]
+        try:
+            parts = [int(p) for p in text.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) != pp or sum(parts) != layers or min(parts, default=0) < 1:
+            raise K31Error(
+                f"pp_layer_partition={text} must be {pp} positive layer counts summing to {layers} "
+                f"(e.g. 24,24,24,21 as the seed keeps)"
+            )
+
+    def _cell_warnings(self) -> None:
+        measured = self.cat["measured"]
+        for s in self.servers:
+            status = s.cell["verification"]
+            if status != "verified":
+                what = "the seed's placeholder shape" if s.cell.get("placeholder") else "a recipe cell"
+                self.warn(f"{s.name}: {s.strategy} {s.role} on {self.platform} ({layout_text(s.layout)}) is "
+                          f"{what}, {VERIFICATION_TEXT[status]}")
+            if s.cell.get("note") and s.speculative:
+                self.warn(f"{s.name}: {s.cell['note']}; DFLASH here is derived")
+            if self.family_name == "cuda" and s.kv_offload != measured["kv_offload"][s.role]:
+                self.warn(f"{s.name}: kv_offload={s.kv_offload} on a {s.role} server is derived; the seed "
+                          f"measured {s.role} servers with kv_offload={measured['kv_offload'][s.role]}")
+            if s.kv_offload == "mooncake" and self.family_name not in measured["mooncake_platform_families"]:
+                self.warn(f"{s.name}: the Mooncake store (L3) is derived and was not measured"
+                          + ("; it has not run on MI350X / MI355X (seed)" if self.rocm else ""))
+        expected = measured["router"].get(self.family_name)
+        if self.router != "none" and expected and self.router != expected:
+            self.warn(f"router={self.router} is derived from the same engine settings and was not measured; "
+                      f"the seed measured {expected} on {self.platform}")
+
+    # -- plan ------------------------------------------------------------------------------------
+    def _plan(self) -> dict[str, Any]:
+        image = self.knob("image", self.family["image"])
+        if self.require_image and (image is None or str(image).startswith("<")):
+            raise K31Error(
+                f"image is {image or 'not set'}: set k31_image (or --set image=REF) to the {self.family['runtime']} "
+                f"serving image before a deploy (the seed's commands show the placeholder {self.family['image']})"
+            )
+        from k31deploy.recipe.argv import EngineArgv, router_plan
+
+        engine = EngineArgv(self)
+        servers = [engine.server(s) for s in self.servers]
+        return {
+            "model": self.cat["model"]["name"],
+            "platform": self.platform,
+            "topology": self.topology,
+            "image": image,
+            "knobs": self._resolved_knobs(),
+            "servers": servers,
+            "router": router_plan(self, servers),
+            "mooncake_master": engine.mooncake_master(),
+            "warnings": self.warnings,
+        }
+
+    def _resolved_knobs(self) -> dict[str, Any]:
+        strategies = {STRATEGY_KNOB[s.role]: s.strategy for s in self.servers if not s.cell.get("knob")}
+        out = {"platform": self.platform, "agents": self.k.get("agents"), "topology": self.topology,
+               **strategies, "router": self.router, "speculative": self.speculative}
+        if self.router == "sglang":
+            out["router_dialect"] = self.dialect
+        if self.topology == "pd":
+            out["transfer_backend"] = self.transfer
+        out.update({k: v for k, v in sorted(self.k.items()) if k not in out})
+        return out
+
+    def emit_check(self, section: str, argv: list[str]) -> None:
+        """Every flag k31 emits must be in data/flags.yaml (and so known to the stand-in)."""
+        known = flag_registry()[section]
+        for token in argv:
+            if token.startswith("--") and token.split("=", 1)[0] not in known:
+                raise AssertionError(f"flag {token} is not registered in data/flags.yaml [{section}]")
