@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     except K31Error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return K31Error.exit_code
+    except BrokenPipeError:    # `k31 plan | head`
+        return 0
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -33,6 +33,6 @@ def load_hosts(source: str) -> list[Host]:
         groups = [g.name for g in host.get_groups()]
         if not any(g in K31_GROUPS for g in groups):
             continue
-        hostvars = variables.get_vars(host=host, include_hostvars=False, include_delegate_to=False)
+        hostvars = variables.get_vars(host=host, include_hostvars=False)
         hosts.append(from_mapping(host.name, groups, dict(hostvars)))
     return hosts

@@ -210,10 +210,8 @@ class _Resolver:
 
     def _router_kind(self) -> None:
         router_cfg = self.cat["router"]
-        default = router_cfg["default_kind"][self.family_name]
-        if self.topology == "pd" and default == "none":
-            default = "sglang"
-        elif self.topology == "unified" and default == "none" and self.inventory is not None and any(
+        default = router_cfg["default_kind"][self.family_name][self.topology]
+        if default == "none" and self.inventory is not None and any(
                 hostlib.ROUTER_GROUP in h.groups for h in self.inventory):
             default = "sglang"    # the inventory asks for a router in front of unified servers
         self.router = self.knob("router", default)
@@ -222,7 +220,10 @@ class _Resolver:
                            "valid choices: sglang, dynamo")
         self.refuse_unless(self.router == "sglang", "router_dialect", "applies to router=sglang only")
         self.refuse_unless(self.router == "dynamo", "dynamo_session_affinity_ttl", "applies to router=dynamo only")
-        self.dialect = self.knob("router_dialect", router_cfg["default_dialect"][self.family_name])
+        self.dialect = self.knob("router_dialect", router_cfg["default_dialect"][self.family_name][self.topology])
+        if self.router == "sglang" and self.dialect == "sgl-router" and self.topology == "unified":
+            raise K31Error("router_dialect=sgl-router is the seed's PD command (--prefill/--decode); unified "
+                           "servers need router_dialect=launch_router (--worker-urls)")
 
     def _place(self) -> None:
         """Servers with their hosts: from the inventory, or placeholders laid out as the recipe needs."""

@@ -1,0 +1,49 @@
+"""Ansible filters over k31deploy.recipe: the playbooks' one door to the recipe's rules.
+
+Thin on purpose: it turns Ansible's `groups` / `hostvars` into the resolver's hosts and returns
+the plan; every rule lives in k31deploy (catalog + resolver). Docs: `ansible-doc -t filter k31_plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+
+try:
+    from k31deploy.errors import K31Error
+    from k31deploy.recipe import from_mapping, resolve
+    from k31deploy.recipe.hosts import K31_GROUPS
+except ImportError as exc:  # pragma: no cover - only without the package installed
+    raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
+
+
+def _hosts(groups: dict[str, list[str]], hostvars: Any) -> list:
+    names: list[str] = []
+    for group in K31_GROUPS:
+        names += [h for h in groups.get(group, []) if h not in names]
+    order = {h: i for i, h in enumerate(groups.get("all", []))}
+    names.sort(key=lambda h: order.get(h, len(order)))
+    hosts = []
+    for name in names:
+        hv = hostvars[name]
+        wanted = {k: hv[k] for k in hv if k.startswith("k31_") or k == "ansible_host"}
+        member_of = [g for g in K31_GROUPS if name in groups.get(g, [])]
+        hosts.append(from_mapping(name, member_of, wanted))
+    return hosts
+
+
+def k31_plan(groups: dict[str, list[str]], hostvars: Any, settings: dict[str, Any] | None = None,
+             require_image: bool = False, on_error: str = "raise") -> dict[str, Any]:
+    """Resolve the plan for the inventory; on_error='return' gives {'error': sentence} instead of failing."""
+    try:
+        return resolve(dict(settings or {}), _hosts(groups, hostvars), require_image=bool(require_image))
+    except K31Error as exc:
+        if on_error == "return":
+            return {"error": str(exc)}
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+class FilterModule:
+    def filters(self):
+        return {"k31_plan": k31_plan}
