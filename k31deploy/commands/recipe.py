@@ -9,6 +9,7 @@ from typing import Any
 
 from k31deploy.recipe import catalog, iter_cells, knob_specs, layout_text, parse_sets, resolve
 from k31deploy.recipe.catalog import STRATEGY_KNOB
+from k31deploy.recipe.knobs import coerce
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,9 +40,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     knobs = parse_sets(args.sets)
-    direct = ("platform", "agents", "topology", *STRATEGY_KNOB.values())
-    knobs.update({k: getattr(args, k) for k in direct if getattr(args, k) is not None})
-    return parse_sets([f"{k}={v}" for k, v in knobs.items()])
+    for name in ("platform", "agents", "topology", *STRATEGY_KNOB.values()):
+        if getattr(args, name) is not None:
+            knobs[name] = coerce(name, getattr(args, name), f"--{name.replace('_', '-')}")
+    return knobs
 
 
 def plan_from_args(args: argparse.Namespace, *, require_image: bool = False) -> dict[str, Any]:
@@ -123,8 +125,8 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    print("\n* default strategy for the role; families: "
-          + ", ".join(f"{name} image {fam['image'] or 'none (source checkout)'}" for name, fam in catalog()["families"].items()))
+    images = (f"{name} image {fam['image'] or 'none (source checkout)'}" for name, fam in catalog()["families"].items())
+    print("\n* default strategy for the role; families: " + ", ".join(images))
     return 0
 
 
