@@ -32,7 +32,7 @@ class EngineArgv:
             argv = self.argv(s, rank, port)
             self.r.emit_check("tpu" if self.r.tpu else "engine", argv[len(self.launcher()):])
             ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
-                          "argv": argv, "env": self.env(s, port)})
+                          "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port)})
         return {
             "name": s.name,
             "role": s.role,
@@ -222,7 +222,8 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
         r.emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
         env = EngineArgv(r).dynamo_discovery_env()
         return {"kind": "dynamo", "host": host.name, "address": host.address, "port": cat["ports"]["router"],
-                "argv": argv, "env": env}
+                "unit": "k31-dynamo-frontend", "argv": argv, "env": env,
+                "discovery": {"etcd_port": cat["ports"]["etcd"], "nats_port": cat["ports"]["nats"]}}
     dialect = cfg["dialects"][r.dialect]
     argv = list(dialect["launcher"])
 
@@ -251,4 +252,5 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
     launcher_len = len(dialect["launcher"])
     r.emit_check("router", argv[launcher_len:])
     return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,
-            "port": cat["ports"]["router"], "argv": argv, "env": dict(cfg["env"])}
+            "port": cat["ports"]["router"], "unit": "k31-router", "argv": argv, "env": dict(cfg["env"]),
+            "metrics_port": cat["ports"]["router_metrics"] if dialect["metrics_flags"] else None}

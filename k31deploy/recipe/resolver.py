@@ -488,12 +488,20 @@ class _Resolver:
             "platform": self.platform,
             "topology": self.topology,
             "image": image,
+            "container_flags": self._container_flags(),
             "knobs": self._resolved_knobs(),
             "servers": servers,
             "router": router_plan(self, servers),
             "mooncake_master": engine.mooncake_master(),
             "warnings": self.warnings,
         }
+
+    def _container_flags(self) -> list[str]:
+        """The family's device, IPC, shm, memlock and RDMA flags; NVL72 adds the IMEX channel."""
+        flags = list(self.family["container_flags"])
+        if self.pinfo.get("nvl72") and any(s.layout["nnodes"] > 1 for s in self.servers):
+            flags += self.cat["nvl72"]["container_flags"]
+        return flags
 
     def _resolved_knobs(self) -> dict[str, Any]:
         strategies = {STRATEGY_KNOB[s.role]: s.strategy for s in self.servers if not s.cell.get("knob")}
