@@ -1,0 +1,478 @@
+"""HTTP surface of the stand-in: what the SGLang router, Dynamo-less smoke tests and k31's health
+checks see of a real `sglang.launch_server` (field notes §2, §4), served from the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from k31deploy.standin import replies
+from k31deploy.standin.parser import parse_args
+from k31deploy.standin.replies import BadRequest, Reply
+
+WIDE_LOG_LINE = "[k31 wide] first wide step"
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def layout_name(args: argparse.Namespace) -> str:
+    parts = [f"TP{args.tp_size}"]
+    for name, size in (("DCP", args.dcp_size), ("PP", args.pp_size), ("EP", args.ep_size),
+                       ("DP", args.dp_size), ("PCP", args.attn_cp_size)):
+        if size > 1:
+            parts.append(f"{name}{size}")
+    text = "·".join(parts)
+    return f"{text} over {args.nnodes} nodes" if args.nnodes > 1 else text
+
+
+def monokernel_problems(args: argparse.Namespace) -> list[str]:
+    """Why --enable-amd-monokernel cannot run this setup (seed: it takes TP8 or DCP8, not HiCache)."""
+    if not args.enable_amd_monokernel:
+        return []
+    problems = []
+    if args.enable_hierarchical_cache:
+        problems.append("HiCache is on (--enable-hierarchical-cache) and the monokernel takes no KV offload")
+    layout = layout_name(args)
+    if layout not in ("TP8", "TP8·DCP8"):
+        problems.append(f"the layout is {layout}; the monokernel runs TP8 or TP8·DCP8 only")
+    return problems
+
+
+class RoomBoard:
+    """Bootstrap rooms a prefill has taken: the decode waits for its room as it would for the KV."""
+
+    def __init__(self, keep: int = 4096):
+        self._rooms: OrderedDict[str, None] = OrderedDict()
+        self._keep = keep
+        self._cond = threading.Condition()
+
+    def add(self, room: Any) -> None:
+        with self._cond:
+            self._rooms[str(room)] = None
+            self._rooms.move_to_end(str(room))
+            while len(self._rooms) > self._keep:
+                self._rooms.popitem(last=False)
+            self._cond.notify_all()
+
+    def wait(self, room: str, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: room in self._rooms, timeout)
+
+
+class Engine:
+    """State one stand-in server shares between its request threads."""
+
+    def __init__(self, args: argparse.Namespace, load_seconds: float = 0.0,
+                 env: Mapping[str, str] | None = None):
+        env = os.environ if env is None else env
+        self.args = args
+        self.ready_at = time.monotonic() + load_seconds
+        self.kv_timeout = float(env.get("K31_STANDIN_KV_TIMEOUT", "10"))
+        self.wide = args.enable_amd_monokernel and env.get("SGLANG_AMD_MONO_K31_WIDE") == "1"
+        self.rooms = RoomBoard()
+        self._lock = threading.Lock()
+        self._wide_logged = False
+        self.running_reqs = 0
+        self.running_tokens = 0
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @property
+    def mode(self) -> str:
+        return self.args.disaggregation_mode
+
+    def loading(self) -> bool:
+        return time.monotonic() < self.ready_at
+
+    def server_info(self) -> dict[str, Any]:
+        # No model_path: the router would try to fetch that tokenizer from the hub (field notes §4).
+        info = {k: v for k, v in vars(self.args).items() if k != "model_path"}
+        info["version"] = "k31-standin"
+        info["internal_states"] = [{"last_gen_throughput": 0.0}]
+        return info
+
+    def model_info(self) -> dict[str, Any]:
+        return {"served_model_name": self.args.served_model_name, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False}
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.args.served_model_name, "object": "model",
+                                            "created": 0, "owned_by": "sglang"}]}
+
+    def load(self) -> list[dict[str, int]]:
+        with self._lock:
+            busy = {"num_reqs": self.running_reqs, "num_waiting_reqs": 0, "num_tokens": self.running_tokens}
+        idle = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        return [{"dp_rank": r, **(busy if r == 0 else idle)} for r in range(self.args.dp_size)]
+
+    def metrics(self) -> str:
+        label = f'{{model_name="{self.args.served_model_name}"}}'
+        lines = []
+        with self._lock:
+            rows = (("num_running_reqs", "gauge", "Running requests.", self.running_reqs),
+                    ("num_requests_total", "counter", "Requests admitted.", self.requests_total),
+                    ("prompt_tokens_total", "counter", "Prefill tokens.", self.prompt_tokens_total),
+                    ("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens_total))
+            for name, kind, text, value in rows:
+                lines += [f"# HELP sglang:{name} {text}", f"# TYPE sglang:{name} {kind}",
+                          f"sglang:{name}{label} {value}"]
+        return "\n".join(lines) + "\n"
+
+    def begin(self, reply_list: list[Reply]) -> None:
+        prompt_tokens = sum(r.prompt_tokens for r in reply_list)
+        with self._lock:
+            self.running_reqs += 1
+            self.running_tokens += prompt_tokens
+            # Totals count at admission, so a client sees its request in /metrics once answered.
+            self.requests_total += 1
+            self.prompt_tokens_total += prompt_tokens
+            self.generation_tokens_total += sum(r.completion_tokens for r in reply_list)
+            log_wide = self.wide and self.mode != "prefill" and not self._wide_logged
+            self._wide_logged = self._wide_logged or log_wide
+        if log_wide:
+            print(WIDE_LOG_LINE, flush=True)
+
+    def end(self, reply_list: list[Reply]) -> None:
+        with self._lock:
+            self.running_reqs -= 1
+            self.running_tokens -= sum(r.prompt_tokens for r in reply_list)
+
+    def pd_gate(self, body: dict[str, Any]) -> None:
+        """The PD contract: a prefill takes the request's room; a decode needs the prefill to have it."""
+        room = body.get("bootstrap_room")
+        rooms = room if isinstance(room, list) else [room]
+        if self.mode == "prefill":
+            for r in rooms:
+                if r is not None:
+                    self.rooms.add(r)
+            return
+        if self.mode != "decode":
+            return
+        missing = [f for f in BOOTSTRAP_FIELDS if body.get(f) is None]
+        if missing:
+            raise HTTPError(400, f"a decode server needs {', '.join(missing)} in the request "
+                                 "(send requests through the PD router)")
+        hosts, ports = (v if isinstance(v, list) else [v] * len(rooms)
+                        for v in (body["bootstrap_host"], body["bootstrap_port"]))
+        if not len(hosts) == len(ports) == len(rooms):
+            raise HTTPError(400, "bootstrap_host, bootstrap_port and bootstrap_room differ in length")
+        for host, port, room_ in zip(hosts, ports, rooms, strict=True):
+            try:
+                port = int(port)
+            except (TypeError, ValueError) as exc:
+                raise HTTPError(400, f"bootstrap_port must be an integer, got {port!r}") from exc
+            self._fetch_kv(str(host), port, str(room_))
+
+    def _fetch_kv(self, host: str, port: int, room: str) -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=self.kv_timeout + 5)
+        try:
+            conn.request("GET", f"/kv/{room}?wait={self.kv_timeout}")
+            status = conn.getresponse().status
+        except OSError as exc:
+            message = f"the prefill bootstrap server http://{host}:{port} does not answer: {exc}"
+            raise HTTPError(502, message) from exc
+        finally:
+            conn.close()
+        if status != 200:
+            raise HTTPError(504, f"the prefill at http://{host}:{port} never took bootstrap_room {room} "
+                                 f"(waited {self.kv_timeout:g} s)")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "k31-standin"
+
+    def setup(self) -> None:
+        # Without it Nagle + delayed ACK add ~44 ms to every response (field notes §4).
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # no access log in the journal
+        pass
+
+    def send_body(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_json(self, status: int, payload: Any) -> None:
+        self.send_body(status, json.dumps(payload).encode(), "application/json")
+
+    def send_error_json(self, status: int, message: str) -> None:
+        self.send_json(status, {"object": "error", "message": message, "code": status,
+                                "type": http.client.responses.get(status, "Error")})
+
+    def read_json(self) -> dict[str, Any]:
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError as exc:
+            raise HTTPError(400, f"the request body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        return body
+
+
+class RankHealthHandler(_Handler):
+    """Node ranks >= 1 of a multi-node server: a dummy /health and nothing else (field notes §2)."""
+
+    def do_GET(self) -> None:
+        if urlsplit(self.path).path == "/health":
+            self.send_body(200, b"", "text/plain")
+        else:
+            self.send_error_json(404, "not found")
+
+    do_POST = do_GET
+
+
+class BootstrapHandler(_Handler):
+    """The prefill's bootstrap port: the decode reaches it before taking a request's KV."""
+
+    engine: Engine
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        if url.path == "/health":
+            self.send_body(200, b"OK", "text/plain")
+        elif url.path == "/route":
+            a = self.engine.args
+            self.send_json(200, {"tp_size": a.tp_size, "dp_size": a.dp_size, "pp_size": a.pp_size,
+                                 "dcp_size": a.dcp_size,
+                                 "transfer_backend": a.disaggregation_transfer_backend})
+        elif url.path.startswith("/kv/"):
+            wait = min(float(parse_qs(url.query).get("wait", ["0"])[0]), 60.0)
+            if self.engine.rooms.wait(url.path.removeprefix("/kv/"), wait):
+                self.send_json(200, {"room": url.path.removeprefix("/kv/")})
+            else:
+                self.send_error_json(404, "no such bootstrap room")
+        else:
+            self.send_error_json(404, "not found")
+
+
+class EngineHandler(_Handler):
+    engine: Engine
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        path = urlsplit(self.path).path
+        route = ROUTES.get(path)
+        if route is None or (path == "/metrics" and not self.engine.args.enable_metrics):
+            self.send_error_json(404, f"no route {path}")
+            return
+        methods, func = route
+        if method not in methods:
+            self.send_error_json(405, f"{path} takes {' or '.join(methods)}")
+            return
+        try:
+            func(self)
+        except HTTPError as exc:
+            self.send_error_json(exc.status, str(exc))
+        except BadRequest as exc:
+            self.send_error_json(400, str(exc))
+        except ConnectionError:
+            self.close_connection = True  # the client went away mid-answer
+
+    # -- probes ---------------------------------------------------------------------------------
+    def health(self) -> None:
+        if self.engine.loading():
+            self.send_error_json(503, "the model is loading")
+        else:
+            self.send_body(200, b"", "text/plain")
+
+    def server_info(self) -> None:
+        self.send_json(200, self.engine.server_info())
+
+    def model_info(self) -> None:
+        self.send_json(200, self.engine.model_info())
+
+    def models(self) -> None:
+        self.send_json(200, self.engine.models())
+
+    def get_load(self) -> None:
+        self.send_json(200, self.engine.load())
+
+    def metrics(self) -> None:
+        self.send_body(200, self.engine.metrics().encode(), "text/plain; version=0.0.4")
+
+    # -- generation -----------------------------------------------------------------------------
+    def _request(self) -> dict[str, Any]:
+        if self.engine.loading():
+            raise HTTPError(503, "the model is loading")
+        body = self.read_json()
+        self.engine.pd_gate(body)
+        return body
+
+    def _serve(self, replies_: list[Reply], answer: Callable[[], None]) -> None:
+        self.engine.begin(replies_)
+        try:
+            answer()
+        finally:
+            self.engine.end(replies_)
+
+    def _stream(self, events: Iterable[Any]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in [*events, "[DONE]"]:
+            data = event if isinstance(event, str) else json.dumps(event)
+            chunk = f"data: {data}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _model(self, body: dict[str, Any]) -> str:
+        return body.get("model") or self.engine.args.served_model_name
+
+    def chat(self) -> None:
+        body = self._request()
+        args = self.engine.args
+        reply = replies.chat_reply(body, args.reasoning_parser, args.tool_call_parser)
+        rid, model, created = f"chatcmpl-{uuid.uuid4().hex}", self._model(body), int(time.time())
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            self._serve([reply], lambda: self._stream(replies.chat_chunks(reply, rid, model, created, usage)))
+        else:
+            response = replies.chat_response(reply, rid, model, created)
+            self._serve([reply], lambda: self.send_json(200, response))
+
+    def completions(self) -> None:
+        body = self._request()
+        limit = replies.completion_limit(body)
+        batch = [replies.text_reply(p, limit) for p in replies.completion_prompts(body)]
+        rid, model, created = f"cmpl-{uuid.uuid4().hex}", self._model(body), int(time.time())
+        if body.get("stream"):
+            if len(batch) > 1:
+                raise BadRequest("the stand-in streams one prompt at a time")
+            self._serve(batch, lambda: self._stream(replies.completion_chunks(batch[0], rid, model, created)))
+        else:
+            self._serve(batch, lambda: self.send_json(200, replies.completion_response(batch, rid, model,
+                                                                                       created)))
+
+    def generate(self) -> None:
+        body = self._request()
+        limit = replies.generate_limit(body)
+        prompts, is_batch = replies.generate_prompts(body)
+        batch = [replies.text_reply(p, limit) for p in prompts]
+        rid = str(body.get("rid") or uuid.uuid4().hex)
+        if body.get("stream"):
+            if len(batch) > 1:
+                raise BadRequest("the stand-in streams one prompt at a time")
+            reply = batch[0]
+            n = len(reply.content)
+            events = [replies.generate_result(reply, rid, k) for k in range(1, n)]
+            self._serve(batch, lambda: self._stream([*events, replies.generate_result(reply, rid)]))
+        elif is_batch:
+            self._serve(batch, lambda: self.send_json(200, [replies.generate_result(r, rid) for r in batch]))
+        else:
+            self._serve(batch, lambda: self.send_json(200, replies.generate_result(batch[0], rid)))
+
+
+ROUTES: dict[str, tuple[tuple[str, ...], Callable[[EngineHandler], None]]] = {
+    "/health": (("GET",), EngineHandler.health),
+    "/health_generate": (("GET",), EngineHandler.health),
+    "/server_info": (("GET",), EngineHandler.server_info),
+    "/get_server_info": (("GET",), EngineHandler.server_info),
+    "/model_info": (("GET",), EngineHandler.model_info),
+    "/get_model_info": (("GET",), EngineHandler.model_info),
+    "/v1/models": (("GET",), EngineHandler.models),
+    "/get_load": (("GET",), EngineHandler.get_load),
+    "/metrics": (("GET",), EngineHandler.metrics),
+    "/generate": (("POST",), EngineHandler.generate),
+    "/v1/completions": (("POST",), EngineHandler.completions),
+    "/v1/chat/completions": (("POST",), EngineHandler.chat),
+}
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Routers drop idle keep-alive connections; that is no error worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+def serve(host: str, port: int, handler: type[BaseHTTPRequestHandler],
+          engine: Engine | None = None) -> ThreadingHTTPServer:
+    """Bind and serve in a daemon thread; the caller shuts it down."""
+    cls = handler if engine is None else type(handler.__name__, (handler,), {"engine": engine})
+    server = _Server((host, port), cls)
+    # A short poll interval keeps shutdown (SIGTERM, test teardown) quick.
+    threading.Thread(target=server.serve_forever, args=(0.05,), name=f"standin-{port}", daemon=True).start()
+    return server
+
+
+def record(argv: list[str], path: str | None) -> None:
+    """Write argv and environment for tests and molecule verify (atomically: readers poll for it)."""
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"argv": argv, "env": dict(os.environ), "pid": os.getpid()}, fh, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    record(argv, os.environ.get("K31_STANDIN_RECORD"))
+    args = parse_args(argv)
+    problems = monokernel_problems(args)
+    if problems:
+        print("error: --enable-amd-monokernel cannot run this setup: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    load_seconds = float(os.environ.get("K31_STANDIN_LOAD_SECONDS") or 0)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    servers: list[ThreadingHTTPServer] = []
+    try:
+        if args.node_rank >= 1:
+            # Real ranks >= 1 open their dummy /health only once their schedulers have loaded.
+            if stop.wait(load_seconds):
+                return 0
+            servers.append(serve(args.host, args.port, RankHealthHandler))
+            role = f"node rank {args.node_rank} (/health only)"
+        else:
+            engine = Engine(args, load_seconds)
+            if engine.mode == "prefill":
+                servers.append(serve(args.host, args.disaggregation_bootstrap_port, BootstrapHandler, engine))
+            servers.append(serve(args.host, args.port, EngineHandler, engine))
+            role = "unified" if engine.mode == "null" else engine.mode
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}: {exc}", file=sys.stderr)
+        for server in servers:
+            server.shutdown()
+        return 1
+    print(f"k31 stand-in: {role} server {args.served_model_name} on {args.host}:{args.port}", flush=True)
+    stop.wait()
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    return 0

@@ -1,0 +1,255 @@
+"""The REAL SGLang router (PyPI sglang-router 0.3.2) in front of stand-in engines on 127.0.0.1,
+regular and PD mode, driven by the official `openai` client; plus the stand-in as a process
+(loading, argv record, SIGTERM, node ranks, monokernel)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from standin_fixtures import Processes, free_port, router_command, standin_command
+
+from k31deploy.standin import replies
+from k31deploy.standin.server import WIDE_LOG_LINE
+
+pytestmark = pytest.mark.integration
+
+MODEL = "moonshotai/Kimi-K3.1-Pro"
+QUESTION = [{"role": "user", "content": "What is 15% of 240?"}]
+WEATHER = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}]
+
+
+def engine_launch(role: str, port: int, bootstrap_port: int | None = None,
+                  monokernel: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of one MI355X High-Throughput server as `k31 plan --json` lists a rank's.
+
+    Hand-written from the seed for now (DCP8 over a2a, DFLASH, HiCache but on the PD decode,
+    ReplaySSM but on the PD prefill; the 8-agent unified cell swaps HiCache for the monokernel);
+    to be replaced by the plan's own argv and env.
+    """
+    argv = ["python3", "-m", "sglang.launch_server",
+            "--model-path", "/models/kimi", "--served-model-name", MODEL, "--trust-remote-code",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--tp-size", "8", "--dcp-size", "8", "--dcp-comm-backend", "a2a",
+            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/models/kimi-dflash",
+            "--speculative-dflash-block-size", "6", "--speculative-draft-attention-backend", "triton",
+            "--max-running-requests", "64", "--cuda-graph-max-bs-decode", "64",
+            "--prefill-decode-interval", "16",
+            "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3", "--enable-metrics"]
+    env = {"SGLANG_USE_AITER": "1", "SGLANG_AITER_K3_OPT": "1", "AITER_FLYDSL_FORCE": "1",
+           "AITER_SITUV2_A8W4": "1", "SGLANG_ROCM_RUNTIME_RESERVE_GB": "10"}
+    if role != "prefill":
+        argv += ["--enable-linear-replayssm-spec"]
+    if monokernel:
+        argv += ["--enable-amd-monokernel"]
+        env["SGLANG_AMD_MONO_K31_WIDE"] = "1"
+    elif role != "decode":
+        argv += ["--enable-hierarchical-cache", "--hicache-ratio", "2.5",
+                 "--hicache-write-policy", "write_back"]
+        env["SGLANG_HICACHE_MAMBA_HOST_RATIO"] = "8" if role == "prefill" else "12"
+    if role == "prefill":
+        argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
+                 "--disaggregation-bootstrap-port", str(bootstrap_port)]
+    elif role == "decode":
+        argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
+    return argv, env
+
+
+def router_args(port: int, workers: list[str] | None = None, prefill: tuple[str, int] | None = None,
+                decode: str | None = None, policy: str = "round_robin") -> list[str]:
+    # launch_router binds 0.0.0.0 and a metrics port 29000 unless told otherwise (field notes §4).
+    args = ["--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--worker-startup-timeout-secs", "60", "--log-level", "warn"]
+    if workers:
+        args += ["--worker-urls", *workers]
+    if prefill:
+        args += ["--pd-disaggregation", "--prefill", prefill[0], str(prefill[1]), "--decode", decode]
+    return args
+
+
+@pytest.fixture
+def procs(tmp_path):
+    processes = Processes(tmp_path)
+    yield processes
+    processes.stop_all()
+
+
+def requests_seen(url: str) -> int:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("sglang:num_requests_total{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"{url}/metrics has no sglang:num_requests_total")
+
+
+def wait_workers(procs: Processes, router: str, want: dict[str, int], timeout: float = 60.0) -> float:
+    """Wait until the router lists `want` healthy workers per type (regular, prefill, decode)."""
+    procs.wait_status(f"{router}/readiness", 200, timeout)
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        workers = httpx.get(f"{router}/workers", timeout=5).json()["workers"]
+        healthy = {kind: sum(w["worker_type"] == kind and w["is_healthy"] for w in workers) for kind in want}
+        if healthy == want:
+            return time.monotonic() - began
+        time.sleep(0.1)
+    raise AssertionError(f"router workers never reached {want}: {workers}")
+
+
+def exercise(router: str) -> int:
+    """Drive the router as a user would; returns how many generation requests were sent."""
+    client = OpenAI(base_url=f"{router}/v1", api_key="EMPTY", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+    expected = replies.chat_reply({"messages": QUESTION}, "kimi_k3", "kimi_k3")
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION)
+    assert answer.choices[0].message.content == "".join(expected.content)
+    assert answer.choices[0].message.reasoning_content == "".join(expected.reasoning)
+
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == "".join(expected.content)
+
+    # The openai client hides the SSE framing; a truncated stream must not pass for a whole one.
+    body = {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 4}
+    with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, timeout=30) as raw:
+        assert raw.status_code == 200
+        events = [line for line in raw.iter_lines() if line.startswith("data:")]
+    assert events[-1].replace(" ", "") == "data:[DONE]"
+    assert json.loads(events[-2].removeprefix("data:"))["choices"][0]["finish_reason"] == "length"
+
+    lengths = {}
+    for effort in ("low", "high", "max"):
+        msg = client.chat.completions.create(model=MODEL, messages=QUESTION, reasoning_effort=effort)
+        lengths[effort] = len(msg.choices[0].message.reasoning_content.split())
+    assert lengths["low"] < lengths["high"] < lengths["max"], lengths
+
+    weather = [{"role": "user", "content": "What's the weather in Beijing?"}]
+    called = client.chat.completions.create(model=MODEL, messages=weather, tools=WEATHER)
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    return 7
+
+
+def test_router_regular_mode_over_two_unified_standins(procs):
+    timings = {}
+    began = time.monotonic()
+    workers = []
+    for i in range(2):
+        port = free_port()
+        argv, env = engine_launch("unified", port)
+        procs.start(f"unified{i}", standin_command(argv), env)
+        workers.append(f"http://127.0.0.1:{port}")
+    for url in workers:
+        procs.wait_status(f"{url}/health")
+    timings["engines_healthy"] = time.monotonic() - began
+    r_port = free_port()
+    router = f"http://127.0.0.1:{r_port}"
+    procs.start("router", router_command(router_args(r_port, workers=workers)))
+    timings["router_ready"] = wait_workers(procs, router, {"regular": 2})
+    began = time.monotonic()
+    sent = exercise(router)
+    timings["client_requests"] = time.monotonic() - began
+    seen = [requests_seen(url) for url in workers]
+    assert sum(seen) == sent and all(seen), seen  # round robin reached both engines
+    print(f"regular-mode timings (s): { {k: round(v, 2) for k, v in timings.items()} }")
+
+
+def test_router_pd_mode_over_prefill_and_decode_standins(procs):
+    timings = {}
+    began = time.monotonic()
+    p_port, b_port, d_port = free_port(), free_port(), free_port()
+    prefill, decode = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    argv, env = engine_launch("prefill", p_port, b_port)
+    procs.start("prefill", standin_command(argv), env)
+    argv, env = engine_launch("decode", d_port)
+    procs.start("decode", standin_command(argv), env)
+    for url in (prefill, decode, f"http://127.0.0.1:{b_port}"):
+        procs.wait_status(f"{url}/health")
+    timings["engines_healthy"] = time.monotonic() - began
+    # A decode on its own refuses work: only the PD router adds the bootstrap fields.
+    direct = httpx.post(f"{decode}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION})
+    assert direct.status_code == 400 and "bootstrap_room" in direct.json()["message"]
+
+    r_port = free_port()
+    router = f"http://127.0.0.1:{r_port}"
+    args = router_args(r_port, prefill=(prefill, b_port), decode=decode, policy="power_of_two")
+    procs.start("router", router_command(args))
+    timings["router_ready"] = wait_workers(procs, router, {"prefill": 1, "decode": 1})
+    began = time.monotonic()
+    sent = exercise(router)
+    timings["client_requests"] = time.monotonic() - began
+    # Every request reached both roles: the decode answered only after the prefill took its room.
+    assert (requests_seen(prefill), requests_seen(decode)) == (sent, sent)
+    print(f"PD-mode timings (s): { {k: round(v, 2) for k, v in timings.items()} }")
+
+
+# -- the stand-in as a process ------------------------------------------------------------------
+
+
+def test_standin_process_loads_records_argv_and_exits_0_on_sigterm(procs, tmp_path):
+    port = free_port()
+    argv, env = engine_launch("unified", port)
+    record = tmp_path / "record.json"
+    proc = procs.start("engine", standin_command(argv), {**env, "K31_STANDIN_LOAD_SECONDS": "3",
+                                                         "K31_STANDIN_RECORD": str(record)})
+    url = f"http://127.0.0.1:{port}"
+    procs.wait_status(f"{url}/health", 503)
+    assert httpx.get(f"{url}/health_generate").status_code == 503
+    assert procs.wait_status(f"{url}/health", 200) > 0.5
+    recorded = json.loads(record.read_text())
+    assert recorded["argv"] == argv[3:]
+    assert recorded["env"]["SGLANG_USE_AITER"] == "1"
+    assert recorded["pid"] == proc.popen.pid
+    assert proc.stop(grace=5) == 0
+
+
+def test_standin_node_rank_1_serves_only_health(procs):
+    port = free_port()
+    argv, env = engine_launch("unified", port)
+    argv += ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:5000"]
+    procs.start("rank1", standin_command(argv), env)
+    url = f"http://127.0.0.1:{port}"
+    procs.wait_status(f"{url}/health")
+    for path in ("/server_info", "/v1/models", "/get_load"):
+        assert httpx.get(f"{url}{path}").status_code == 404
+    assert httpx.post(f"{url}/generate", json={"text": "hi"}).status_code == 404
+
+
+def test_standin_monokernel_logs_first_wide_step_once(procs):
+    port = free_port()
+    argv, env = engine_launch("unified", port, monokernel=True)
+    proc = procs.start("mono", standin_command(argv), env)
+    url = f"http://127.0.0.1:{port}"
+    procs.wait_status(f"{url}/health")
+    for _ in range(3):
+        assert httpx.post(f"{url}/v1/chat/completions", json={"messages": QUESTION}).status_code == 200
+    assert proc.stop() == 0
+    assert proc.stdout.read_text().splitlines().count(WIDE_LOG_LINE) == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "rc", "message"),
+    [
+        (["--enable-amd-monokernel"], 1, "HiCache is on"),  # the unified cell carries HiCache
+        (["--enable-amd-monokernel", "--pp-size", "2"], 1, "the layout is TP8·DCP8·PP2"),
+        (["--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_standin_refuses_at_startup(procs, extra, rc, message):
+    argv, env = engine_launch("unified", free_port())
+    proc = procs.start("refused", standin_command([*argv, *extra]), env)
+    assert proc.popen.wait(30) == rc
+    assert message in proc.stderr.read_text()
