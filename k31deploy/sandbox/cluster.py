@@ -1,0 +1,329 @@
+"""Sandbox lifecycle: a private podman network, one systemd container per shape host, a per-sandbox
+SSH client key, a known_hosts file read out of the containers, and the inventory."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shutil
+import socket
+import subprocess
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from k31deploy.errors import K31Error
+from k31deploy.paths import state_dir
+from k31deploy.sandbox import image, podman
+from k31deploy.sandbox.inventory import build_inventory, dump_inventory, known_hosts_text
+from k31deploy.sandbox.shapes import Shape
+
+LABEL = "k31.sandbox"
+HOST_LABEL = "k31.sandbox.host"
+INDEX_LABEL = "k31.sandbox.index"
+NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,22}[a-z0-9])?$")
+# Sandbox networks are /24s inside this private range, one per sandbox; nodes from .10 up.
+SUPERNET = ipaddress.ip_network("10.231.0.0/16")
+FIRST_HOST = 10
+# The hybrid cgroup layout of these machines: without this mount about one in three unit stops
+# hangs for 90 s (field notes §7). Pure cgroup v2 hosts do not have the directory.
+UNIFIED_CGROUP = Path("/sys/fs/cgroup/unified")
+SSH_TIMEOUT_S = 180.0
+
+Log = Callable[[str], None]
+
+
+def check_name(name: str) -> str:
+    if not NAME.match(name):
+        raise K31Error(f"--name {name!r} must be 1-24 lowercase letters, digits or dashes (e.g. default)")
+    return name
+
+
+def sandbox_dir(name: str) -> Path:
+    return state_dir() / "sandbox" / name
+
+
+def network_name(name: str) -> str:
+    return f"k31-{name}"
+
+
+def container_name(name: str, host: str) -> str:
+    return f"k31-{name}-{host}"
+
+
+def _parallel(fn: Callable[[Any], Any], items: list) -> list:
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def _containers(name: str) -> list[dict]:
+    """This sandbox's containers: carrying its label AND named as `up` names them, in shape order."""
+    listed = podman.json_out("ps", "-a", "--filter", f"label={LABEL}={name}", "--format", "json")
+    ours = []
+    for ctr in listed:
+        labels = ctr.get("Labels") or {}
+        host = labels.get(HOST_LABEL, "")
+        if labels.get(LABEL) == name and container_name(name, host) in ctr.get("Names", []):
+            ours.append(ctr)
+    return sorted(ours, key=lambda ctr: int(ctr["Labels"].get(INDEX_LABEL, 0)))
+
+
+def _network(name: str) -> dict | None:
+    net = network_name(name)
+    for entry in podman.json_out("network", "ls", "--format", "json"):
+        if entry.get("name") == net:
+            if (entry.get("labels") or {}).get(LABEL) != name:
+                raise K31Error(f"podman network {net} exists but no k31 sandbox made it; pick another --name")
+            return entry
+    return None
+
+
+def _routed_networks() -> list[ipaddress.IPv4Network]:
+    """Networks the host already routes (a sandbox subnet must not shadow them)."""
+    nets = []
+    try:
+        lines = Path("/proc/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return nets
+    for line in lines:
+        fields = line.split()
+        dest, mask = (ipaddress.IPv4Address(bytes.fromhex(f)[::-1]) for f in (fields[1], fields[7]))
+        if int(mask):
+            nets.append(ipaddress.ip_network(f"{dest}/{mask}", strict=False))
+    return nets
+
+
+def pick_subnet(name: str, used: list) -> ipaddress.IPv4Network:
+    """A free /24 of SUPERNET, starting from one derived from the name so sandboxes rarely collide."""
+    subnets = list(SUPERNET.subnets(new_prefix=24))[1:]
+    start = zlib.crc32(name.encode()) % len(subnets)
+    for i in range(len(subnets)):
+        candidate = subnets[(start + i) % len(subnets)]
+        if not any(candidate.overlaps(net) for net in used):
+            return candidate
+    raise K31Error(f"no free /24 is left in {SUPERNET} for a sandbox network; remove unused podman networks")
+
+
+def _ensure_network(name: str) -> ipaddress.IPv4Network:
+    existing = _network(name)
+    if existing:
+        return ipaddress.ip_network(existing["subnets"][0]["subnet"])
+    used = [
+        ipaddress.ip_network(sub["subnet"])
+        for net in podman.json_out("network", "ls", "--format", "json")
+        for sub in net.get("subnets") or []
+    ] + _routed_networks()
+    subnet = pick_subnet(name, used)
+    podman.run("network", "create", "--subnet", str(subnet), "--label", f"{LABEL}={name}", network_name(name))
+    return subnet
+
+
+def _ensure_keypair(directory: Path) -> tuple[Path, Path]:
+    """The sandbox's own SSH client key, and an authorized_keys file (0600) to copy into each node."""
+    key = directory / "id_ed25519"
+    if not key.is_file():
+        comment = f"k31-sandbox-{directory.name}"
+        argv = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise podman.failure("ssh-keygen", proc)
+    authorized = directory / "authorized_keys"
+    authorized.write_text(Path(f"{key}.pub").read_text())
+    authorized.chmod(0o600)
+    return key, authorized
+
+
+def _address(ctr: str, net: str) -> str:
+    networks = podman.json_out("inspect", "--format", "{{json .NetworkSettings.Networks}}", ctr)
+    try:
+        return networks[net]["IPAddress"]
+    except (KeyError, TypeError) as exc:
+        raise K31Error(f"container {ctr} has no address on network {net}") from exc
+
+
+def _sshd_banner(address: str, timeout: float) -> bool:
+    try:
+        with socket.create_connection((address, 22), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            return sock.recv(64).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _wait_host_key(ctr: str, address: str, deadline: float) -> str:
+    """The node's ed25519 host key, read through podman (not over the network it authenticates)
+    once sshd answers -- sshd starts only after the first-boot unit wrote the keys."""
+    while time.monotonic() < deadline:
+        if _sshd_banner(address, timeout=2):
+            proc = podman.run("exec", ctr, "cat", "/etc/ssh/ssh_host_ed25519_key.pub", check=False)
+            if proc.returncode == 0 and proc.stdout.startswith("ssh-ed25519 "):
+                return proc.stdout.strip()
+        time.sleep(0.3)
+    raise K31Error(f"sshd in {ctr} did not answer within {SSH_TIMEOUT_S:.0f} s; see `podman logs {ctr}`")
+
+
+def ssh_argv(address: str, key: Path, known_hosts: Path, *command: str) -> list[str]:
+    options = [
+        "BatchMode=yes", "ConnectTimeout=10", "LogLevel=ERROR", "IdentitiesOnly=yes",
+        "StrictHostKeyChecking=yes", f"UserKnownHostsFile={known_hosts}", "GlobalKnownHostsFile=/dev/null",
+    ]  # fmt: skip
+    return [
+        "ssh",
+        "-i",
+        str(key),
+        *(arg for opt in options for arg in ("-o", opt)),
+        f"root@{address}",
+        *command,
+    ]
+
+
+def ssh_answers(address: str, key: Path, known_hosts: Path) -> bool:
+    """A real login with the sandbox key and a checked host key, as Ansible will make."""
+    if not (key.is_file() and known_hosts.is_file()):
+        return False
+    try:
+        proc = subprocess.run(ssh_argv(address, key, known_hosts, "true"), capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
+
+
+def memory_mib(containers: list[str]) -> dict[str, float]:
+    """Memory charged to each container's cgroup (podman stats), in MiB."""
+    if not containers:
+        return {}
+    template = "{{.Name}} {{.ContainerStats.MemUsage}}"
+    out = podman.run("stats", "--no-stream", "--format", template, *containers)
+    return {name: int(used) / 2**20 for name, used in (line.split() for line in out.stdout.splitlines())}
+
+
+def _run_flags(name: str, host: str, index: int, address: str, hosts_file: list[str], tag: str) -> list[str]:
+    flags = [
+        "--name", container_name(name, host), "--hostname", host,
+        "--label", f"{LABEL}={name}", "--label", f"{HOST_LABEL}={host}", "--label", f"{INDEX_LABEL}={index}",
+        "--network", network_name(name), "--ip", address, "--systemd=always",
+    ]  # fmt: skip
+    if UNIFIED_CGROUP.is_dir():
+        flags += ["-v", f"{UNIFIED_CGROUP}:{UNIFIED_CGROUP}:rw"]
+    for entry in hosts_file:
+        flags += ["--add-host", entry]
+    return [*flags, tag]
+
+
+def up(shape: Shape, name: str, log: Log) -> Path:
+    """Start (or reuse) the sandbox and write its inventory; returns the inventory's path."""
+    podman.check_host(podman.UP_TOOLS)
+    check_name(name)
+    started = time.monotonic()
+    directory = sandbox_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    existing = {ctr["Labels"][HOST_LABEL]: ctr for ctr in _containers(name)}
+    wanted = [host.name for host in shape.hosts]
+    extra = sorted(set(existing) - set(wanted))
+    if extra:
+        raise K31Error(
+            f"sandbox {name} has hosts {', '.join(extra)} that shape {shape.name} lacks; "
+            f"run `k31 sandbox down --name {name}` first or pick another --name"
+        )
+
+    tag = image.ensure_image(state_dir() / "sandbox", log)
+    log(f"image {tag} ready after {time.monotonic() - started:.1f} s")
+
+    subnet = _ensure_network(name)
+    net = network_name(name)
+    planned = {host: str(subnet[FIRST_HOST + i]) for i, host in enumerate(wanted)}
+    key, authorized = _ensure_keypair(directory)
+
+    def start(index: int) -> None:
+        host = wanted[index]
+        ctr = container_name(name, host)
+        current = existing.get(host)
+        if current is None:
+            hosts_file = [f"{other}:{address}" for other, address in planned.items()]
+            podman.run("create", *_run_flags(name, host, index, planned[host], hosts_file, tag))
+        elif current.get("Image") != tag:
+            log(f"{ctr} runs {current.get('Image')}, not {tag}: `down` then `up` to refresh it")
+        # Every up re-installs the current key, so a lost state dir does not lock us out.
+        podman.run("cp", str(authorized), f"{ctr}:/root/.ssh/authorized_keys")
+        if current is None or current.get("State") != "running":
+            podman.run("start", ctr)
+
+    t_start = time.monotonic()
+    _parallel(start, list(range(len(wanted))))
+    containers = [container_name(name, host) for host in wanted]
+    addresses = dict(zip(wanted, _parallel(lambda ctr: _address(ctr, net), containers), strict=True))
+    log(f"{len(wanted)} containers running after {time.monotonic() - t_start:.1f} s")
+
+    deadline = time.monotonic() + SSH_TIMEOUT_S
+    pairs = list(zip(containers, addresses.values(), strict=True))
+    keys = _parallel(lambda pair: _wait_host_key(*pair, deadline), pairs)
+    host_keys = dict(zip(wanted, keys, strict=True))
+    if len(set(host_keys.values())) != len(host_keys):
+        raise K31Error(f"sandbox {name}: two nodes share an SSH host key; the image must not carry host keys")
+    known_hosts = directory / "known_hosts"
+    known_hosts.write_text(known_hosts_text(addresses, host_keys))
+
+    answers = _parallel(lambda address: ssh_answers(address, key, known_hosts), list(addresses.values()))
+    failed = [host for host, ok in zip(wanted, answers, strict=True) if not ok]
+    if failed:
+        raise K31Error(f"ssh as root with the sandbox key failed on {', '.join(failed)}; see `k31 sandbox status`")
+    log(f"sshd answers on every node after {time.monotonic() - t_start:.1f} s")
+
+    inventory = directory / "inventory.yml"
+    inventory.write_text(dump_inventory(build_inventory(shape, addresses, key, known_hosts)))
+    memory = memory_mib(containers)
+    per_node = (f"{host} {memory.get(ctr, 0):.0f} MiB" for host, ctr in zip(wanted, containers, strict=True))
+    log("memory per node: " + ", ".join(per_node))
+    log(f"sandbox {name} ({shape.name}, nodes: {len(wanted)}) up in {time.monotonic() - started:.1f} s")
+    return inventory
+
+
+def status(name: str) -> list[dict]:
+    """Each container of the sandbox: its host, state, address, memory and whether ssh answers."""
+    podman.check_host()
+    check_name(name)
+    ctrs = _containers(name)
+    directory = sandbox_dir(name)
+    key, known_hosts = directory / "id_ed25519", directory / "known_hosts"
+    running = [ctr["Names"][0] for ctr in ctrs if ctr.get("State") == "running"]
+    memory = memory_mib(running)
+
+    def describe(ctr: dict) -> dict:
+        container = ctr["Names"][0]
+        address = _address(container, network_name(name)) if ctr.get("State") == "running" else None
+        return {
+            "host": ctr["Labels"][HOST_LABEL],
+            "container": container,
+            "state": ctr.get("State"),
+            "ip": address,
+            "ssh": bool(address) and ssh_answers(address, key, known_hosts),
+            "memory_mib": round(memory[container], 1) if container in memory else None,
+        }
+
+    return _parallel(describe, ctrs)
+
+
+def down(name: str, purge_images: bool, log: Log) -> None:
+    """Remove what `up` made -- containers and network matched by name and label, and the state dir."""
+    podman.check_host()
+    check_name(name)
+    ctrs = [ctr["Names"][0] for ctr in _containers(name)]
+    _parallel(lambda ctr: podman.run("rm", "--force", "--time", "5", ctr), ctrs)
+    net = _network(name)
+    if net:
+        podman.run("network", "rm", net["name"])
+    directory = sandbox_dir(name)
+    if directory.is_dir():
+        shutil.rmtree(directory)
+    log(f"sandbox {name}: removed {len(ctrs)} containers" + (f" and network {net['name']}" if net else ""))
+    if purge_images:
+        removed, kept = image.purge_images()
+        log(f"removed images: {', '.join(removed) or 'none'}")
+        if kept:
+            log(f"kept images still in use by other sandboxes: {', '.join(kept)}")

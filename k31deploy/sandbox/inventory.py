@@ -1,0 +1,68 @@
+"""The sandbox's Ansible inventory (inventory contract in architecture.md) and its known_hosts."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from k31deploy.sandbox.shapes import GROUPS, Shape
+
+# No GPUs, no serving image: engines run the CPU stand-in, the router and Dynamo frontend run from
+# venvs built out of the wheelhouse (the roles' air-gapped path).
+RUNTIME_VARS = {"k31_engine_runtime": "standin", "k31_router_runtime": "venv", "k31_dynamo_runtime": "venv"}
+
+
+def ssh_common_args(known_hosts: Path) -> str:
+    """Host keys are checked against the keys read out of each container, never accepted blindly."""
+    options = {
+        "UserKnownHostsFile": str(known_hosts),
+        "GlobalKnownHostsFile": "/dev/null",
+        "StrictHostKeyChecking": "yes",
+        "IdentitiesOnly": "yes",
+        "ControlMaster": "auto",
+        "ControlPersist": "60s",
+    }
+    return " ".join(f"-o {shlex.quote(f'{key}={value}')}" for key, value in options.items())
+
+
+def build_inventory(shape: Shape, addresses: dict[str, str], key_file: Path, known_hosts: Path) -> dict:
+    """Every engine/router group is present (empty ones too, so playbooks can index `groups`);
+    `k31_server` only where hosts share a multi-node server."""
+    all_vars: dict[str, Any] = {
+        "ansible_user": "root",
+        "ansible_python_interpreter": "/usr/bin/python3",
+        "ansible_ssh_private_key_file": str(key_file),
+        "ansible_ssh_common_args": ssh_common_args(known_hosts),
+        **{f"k31_{knob}": value for knob, value in shape.knobs.items()},
+        **RUNTIME_VARS,
+    }
+    children: dict[str, dict] = {}
+    for group in GROUPS:
+        hosts = {}
+        for host in shape.hosts:
+            if group in host.groups:
+                hostvars = {"ansible_host": addresses[host.name]}
+                if host.server:
+                    hostvars["k31_server"] = host.server
+                hosts[host.name] = hostvars
+        if hosts:
+            children[group] = {"hosts": hosts}
+        elif group != "k31_mooncake_master":
+            children[group] = {}
+    return {"all": {"vars": all_vars, "children": children}}
+
+
+def dump_inventory(inventory: dict) -> str:
+    return "---\n" + yaml.safe_dump(inventory, sort_keys=False, default_flow_style=False)
+
+
+def known_hosts_text(addresses: dict[str, str], host_keys: dict[str, str]) -> str:
+    """One line per node: its address and the ed25519 public key it generated on first boot."""
+    lines = []
+    for host, address in addresses.items():
+        keytype, key = host_keys[host].split()[:2]
+        lines.append(f"{address} {keytype} {key}\n")
+    return "".join(lines)
