@@ -11,6 +11,7 @@ from k31deploy.errors import K31Error
 # module -> registers one or more subcommands via register(subparsers)
 COMMAND_MODULES = (
     "k31deploy.commands.recipe",
+    "k31deploy.commands.calc",
     "k31deploy.commands.sandbox",
     "k31deploy.commands.wheelhouse",
 )

@@ -105,7 +105,7 @@ class EngineArgv:
         flags.update({
             "--max-running-requests": s.max_running_requests,
             "--cuda-graph-max-bs-decode": s.cuda_graph_max_bs_decode,
-            "--mem-fraction-static": k("mem_fraction_static"),
+            "--mem-fraction-static": k("mem_fraction_static", self._mem_fraction_default()),
             "--prefill-decode-interval": k("prefill_decode_interval"),
             "--cuda-graph-backend-prefill": k("prefill_cuda_graph") if s.role != "decode" else None,
             "--enable-symm-mem": bool(k("enable_symm_mem")),
@@ -119,6 +119,11 @@ class EngineArgv:
         })
         _extend(argv, flags)
         return argv
+
+    def _mem_fraction_default(self) -> float | None:
+        if self.r.rocm and self.r.topology == "unified":
+            return self.cat["amd"]["mem_fraction_static_max_single_node"]
+        return None
 
     def _moe(self, s: Server, flags: dict[str, Any]) -> None:
         if s.moe_runner != "megamoe":

@@ -483,7 +483,7 @@ class _Resolver:
 
         engine = EngineArgv(self)
         servers = [engine.server(s) for s in self.servers]
-        return {
+        plan = {
             "model": self.cat["model"]["name"],
             "platform": self.platform,
             "topology": self.topology,
@@ -495,6 +495,11 @@ class _Resolver:
             "mooncake_master": engine.mooncake_master(),
             "warnings": self.warnings,
         }
+        # Imported here: the memory model reads plans, and importing it at the top is a cycle.
+        from k31deploy.memory import Options, annotate_plan
+
+        annotate_plan(plan, Options(weights_gb_per_gpu=self.k.get("weights_gb_per_gpu")))
+        return plan
 
     def _container_flags(self) -> list[str]:
         """The family's device, IPC, shm, memlock and RDMA flags; NVL72 adds the IMEX channel."""

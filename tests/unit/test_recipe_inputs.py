@@ -57,10 +57,14 @@ def test_contradictory_knobs_are_refused(knobs, match):
     refused(match, **knobs)
 
 
-def test_every_knob_is_documented_in_the_readme_table():
+def test_the_readme_knob_table_is_the_generated_one():
+    from k31deploy.commands.recipe import knob_table
+
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- knobs:start (generated: k31 catalog --knobs) -->\n")[1].split("\n<!-- knobs:end -->")[0]
+    assert block == knob_table(), "regenerate the README's knob table with `k31 catalog --knobs`"
     for knob in knob_specs():
-        assert f"| `{knob}` |" in readme, knob
+        assert f"| `{knob}` |" in block, knob
 
 
 # -- host layouts ----------------------------------------------------------------------------------
