@@ -11,6 +11,7 @@ from typing import Any
 from ansible.errors import AnsibleFilterError
 
 try:
+    from k31deploy import launch
     from k31deploy.errors import K31Error
     from k31deploy.recipe import from_mapping, resolve
     from k31deploy.recipe.hosts import K31_GROUPS
@@ -44,6 +45,32 @@ def k31_plan(groups: dict[str, list[str]], hostvars: Any, settings: dict[str, An
         raise AnsibleFilterError(f"error: {exc}") from None
 
 
+def k31_host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
+    """The ranks `host` runs: [{server, rank, health_url}] (one per engine host)."""
+    return launch.host_ranks(plan, host)
+
+
+def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str, env_file: str,
+                       container_cli: str = "docker", venv: str = "/opt/k31/venv") -> list[str]:
+    """The command a rank's unit runs for the host's runtime (container, venv or the stand-in)."""
+    try:
+        return launch.engine_command(plan, rank, runtime, env_file=env_file, container_cli=container_cli,
+                                     venv=venv, mounts=launch.model_mounts(plan))
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Prometheus file_sd target groups by file name (engines, router or frontend)."""
+    return launch.metrics_targets(plan)
+
+
+def k31_endpoint(plan: dict[str, Any]) -> str:
+    """The OpenAI base URL clients use (router, frontend, or the unified server)."""
+    return launch.endpoint(plan)
+
+
 class FilterModule:
     def filters(self):
-        return {"k31_plan": k31_plan}
+        return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
+                "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint}

@@ -23,7 +23,7 @@ def test_mi355x_1p1d_has_prefill_decode_and_router_nodes():
     assert groups["k31_decode"] == ["decode0"]
     assert groups["k31_router"] == ["router0"]
     assert groups["k31_unified"] == []
-    assert shape.knobs == {"platform": "mi355x", "topology": "pd", "router": "sglang"}
+    assert shape.knobs == {"platform": "mi355x", "agents": 92}
     assert all(h.server is None for h in shape.hosts)
 
 

@@ -1,0 +1,106 @@
+"""How a planned process is started on its host: in a container, in a venv, or as the CPU stand-in.
+
+The plan says *what* runs (argv, env); this module only wraps that argv for the host's runtime.
+Used by the roles through the k31 filters, so the wrapping is unit-tested in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k31deploy.errors import K31Error
+
+RUNTIMES = ("container", "venv", "standin")
+CONTAINER_CLIS = ("docker", "podman")
+# Python entry points the plan uses, and what the sandbox's CPU stand-in runs in their place.
+STANDIN_MODULES = {
+    "sglang.launch_server": "k31deploy.standin",
+    "dynamo.sglang": "k31deploy.standin.dynamo",
+}
+
+
+def host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
+    """The ranks a host runs, each with its server's fields (without the other ranks)."""
+    found = []
+    for server in plan["servers"]:
+        for rank in server["ranks"]:
+            if rank["host"] == host:
+                info = {k: v for k, v in server.items() if k != "ranks"}
+                found.append({"server": info, "rank": rank,
+                              "health_url": f"http://127.0.0.1:{server['port']}/health"})
+    return found
+
+
+def _container_flags(flags: list[str], cli: str) -> list[str]:
+    if cli == "docker":
+        return list(flags)
+    # podman reaches NVIDIA GPUs through CDI rather than docker's --gpus.
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] == "--gpus":
+            out += ["--device", f"nvidia.com/gpu={flags[i + 1]}"]
+            i += 2
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
+
+
+def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, env_file: str,
+                   container_cli: str = "docker", venv: str = "/opt/k31/venv",
+                   mounts: list[str] | None = None) -> list[str]:
+    """The full command a rank's systemd unit runs."""
+    argv = list(rank["argv"])
+    if runtime not in RUNTIMES:
+        raise K31Error(f"k31_engine_runtime={runtime} is not valid; valid choices: {', '.join(RUNTIMES)}")
+    if runtime == "container":
+        if container_cli not in CONTAINER_CLIS:
+            raise K31Error(f"k31_engine_container_cli={container_cli} is not valid; valid choices: "
+                           f"{', '.join(CONTAINER_CLIS)}")
+        if not plan.get("image") or str(plan["image"]).startswith("<"):
+            raise K31Error(f"image is {plan.get('image')}: set k31_image to the serving image before a deploy")
+        volumes = [t for m in (mounts or []) for t in ("-v", m)]
+        return [container_cli, "run", "--rm", "--name", rank["unit"],
+                *_container_flags(plan["container_flags"], container_cli), "--env-file", env_file, *volumes,
+                str(plan["image"]), *argv]
+    if argv[:2] != ["python3", "-m"]:
+        raise K31Error(f"{rank['unit']} runs {argv[0]}, which k31_engine_runtime={runtime} cannot start; "
+                       f"use k31_engine_runtime=container")
+    if runtime == "venv":
+        return [f"{venv}/bin/python3", *argv[1:]]
+    module = STANDIN_MODULES.get(argv[2])
+    if module is None:
+        raise K31Error(f"the stand-in has no replacement for {argv[2]}; valid: {', '.join(STANDIN_MODULES)}")
+    return [f"{venv}/bin/python3", "-m", module, *argv[3:]]
+
+
+def model_mounts(plan: dict[str, Any]) -> list[str]:
+    """Local model and draft directories, mounted read-only at the same path in the container."""
+    knobs = plan.get("knobs", {})
+    paths = [knobs.get("model_path"), knobs.get("draft_model_path")]
+    return [f"{p}:{p}:ro" for p in paths if isinstance(p, str) and p.startswith("/")]
+
+
+def endpoint(plan: dict[str, Any]) -> str:
+    """The OpenAI base URL clients use: the router or frontend, else the (first) unified server."""
+    router = plan.get("router")
+    if router:
+        return f"http://{router['address']}:{router['port']}/v1"
+    server = plan["servers"][0]
+    return f"http://{server['ranks'][0]['address']}:{server['port']}/v1"
+
+
+def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Prometheus file_sd groups: engines (rank 0 serves /metrics with --enable-metrics), the router's
+    metrics listener, the Dynamo frontend's /metrics."""
+    engines = [{"targets": [f"{s['ranks'][0]['address']}:{s['port']}"],
+                "labels": {"k31_server": s["name"], "k31_role": s["role"], "k31_strategy": s["strategy"]}}
+               for s in plan["servers"]]
+    files: dict[str, list[dict[str, Any]]] = {"k31-engines": engines}
+    router = plan.get("router")
+    if router:
+        port = router.get("metrics_port") or (router["port"] if router["kind"] == "dynamo" else None)
+        if port:
+            files["k31-router"] = [{"targets": [f"{router['address']}:{port}"],
+                                    "labels": {"k31_router": router["kind"]}}]
+    return files

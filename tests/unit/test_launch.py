@@ -1,0 +1,107 @@
+"""How planned processes are wrapped per runtime, the stand-in bundle, and the plan-derived targets."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from k31deploy import bundle, launch
+from k31deploy.errors import K31Error
+from k31deploy.recipe import resolve
+from k31deploy.standin.dynamo import mocker_command
+
+MI_PD = {"platform": "mi355x", "agents": 92, "image": "reg/k31:rocm10", "model_path": "/models/kimi"}
+
+
+def rank0(plan, role):
+    return next(s for s in plan["servers"] if s["role"] == role)["ranks"][0]
+
+
+def test_container_command_carries_family_flags_env_file_mounts_and_the_planned_argv():
+    plan = resolve(MI_PD)
+    rank = rank0(plan, "decode")
+    cmd = launch.engine_command(plan, rank, "container", env_file="/etc/k31/x.env",
+                                mounts=launch.model_mounts(plan))
+    assert cmd[:5] == ["docker", "run", "--rm", "--name", "k31-decode0-r0"]
+    for flag in ("--device=/dev/kfd", "--device=/dev/infiniband", "--cap-add=IPC_LOCK", "--network=host"):
+        assert flag in cmd
+    assert cmd[cmd.index("--env-file") + 1] == "/etc/k31/x.env"
+    assert "/models/kimi:/models/kimi:ro" in cmd
+    image_at = cmd.index("reg/k31:rocm10")
+    assert cmd[image_at + 1:] == rank["argv"]
+
+
+def test_podman_reaches_nvidia_gpus_through_cdi():
+    plan = resolve({"platform": "b300", "image": "reg/k31:cuda", "max_running_requests": 8})
+    cmd = launch.engine_command(plan, rank0(plan, "unified"), "container", env_file="e", container_cli="podman")
+    assert "--gpus" not in cmd and cmd[cmd.index("--device") + 1] == "nvidia.com/gpu=all"
+
+
+def test_gb300_multinode_containers_get_the_imex_channel():
+    plan = resolve({"platform": "gb300", "image": "reg/k31:cuda", "max_running_requests": 8})
+    assert "NVIDIA_IMEX_CHANNELS=0" in plan["container_flags"]
+    assert "NVIDIA_IMEX_CHANNELS=0" not in resolve({"platform": "b300", "max_running_requests": 8})["container_flags"]
+
+
+def test_runtime_refusals():
+    plan = resolve({**MI_PD, "image": "<K31_MI35X_IMAGE>"})
+    with pytest.raises(K31Error, match="image is <K31_MI35X_IMAGE>"):
+        launch.engine_command(plan, rank0(plan, "decode"), "container", env_file="e")
+    with pytest.raises(K31Error, match="k31_engine_runtime=vm is not valid; valid choices: container, venv, standin"):
+        launch.engine_command(plan, rank0(plan, "decode"), "vm", env_file="e")
+    tpu = resolve({"platform": "tpu7x"})
+    assert launch.engine_command(tpu, rank0(tpu, "unified"), "venv", env_file="e")[0] == "/opt/k31/venv/bin/python3"
+
+
+def test_venv_and_standin_replace_only_the_interpreter_or_module():
+    plan = resolve(MI_PD)
+    rank = rank0(plan, "prefill")
+    venv = launch.engine_command(plan, rank, "venv", env_file="e", venv="/opt/sglang")
+    assert venv == ["/opt/sglang/bin/python3", *rank["argv"][1:]]
+    standin = launch.engine_command(plan, rank, "standin", env_file="e")
+    assert standin[1:3] == ["-m", "k31deploy.standin"] and standin[3:] == rank["argv"][3:]
+    dyn = resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 8})
+    assert launch.engine_command(dyn, rank0(dyn, "decode"), "standin", env_file="e")[2] == "k31deploy.standin.dynamo"
+
+
+def test_host_ranks_endpoint_and_metrics_targets():
+    plan = resolve(MI_PD)
+    (mine,) = launch.host_ranks(plan, "node1")
+    assert mine["server"]["role"] == "decode" and mine["health_url"] == "http://127.0.0.1:30100/health"
+    assert "ranks" not in mine["server"] and mine["rank"]["unit"] == "k31-decode0-r0"
+    assert launch.endpoint(plan) == "http://node0:8000/v1"
+    assert launch.endpoint(resolve({"platform": "mi355x", "agents": 16})) == "http://node0:30000/v1"
+    targets = launch.metrics_targets(plan)
+    assert [g["targets"] for g in targets["k31-engines"]] == [["node0:30000"], ["node1:30100"]]
+    assert targets["k31-router"][0]["targets"] == ["node0:29000"]
+
+
+def test_dynamo_standin_becomes_the_mocker_with_the_plans_mode(monkeypatch):
+    monkeypatch.setenv("ETCD_ENDPOINTS", "http://r:2379")
+    monkeypatch.setenv("NATS_SERVER", "nats://r:4222")
+    plan = resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 8})
+    prefill = next(s for s in plan["servers"] if s["role"] == "prefill")["ranks"][0]["argv"]
+    cmd = mocker_command(prefill[3:], "/opt/k31/tiny-model")
+    assert cmd[1:3] == ["-m", "dynamo.mocker"]
+    assert cmd[cmd.index("--disaggregation-mode") + 1] == "prefill"
+    assert cmd[cmd.index("--endpoint") + 1] == "dyn://dynamo.prefill.generate"
+    assert cmd[cmd.index("--model-name") + 1] == "moonshotai/Kimi-K3.1-Pro"
+    assert "--discovery-backend" in cmd and "--event-plane" in cmd
+    with pytest.raises(SystemExit) as info:
+        mocker_command([*prefill[3:], "--not-a-flag"], "/m")
+    assert info.value.code == 2
+
+
+def test_bundle_is_reproducible_and_has_no_bytecode(tmp_path: Path):
+    first, second = tmp_path / "a.tar", tmp_path / "b.tar"
+    assert bundle.write_bundle(first) is True
+    assert bundle.write_bundle(first) is False            # unchanged content: not rewritten
+    bundle.write_bundle(second)
+    assert first.read_bytes() == second.read_bytes()
+    with tarfile.open(first) as tar:
+        names = tar.getnames()
+        assert "k31deploy/standin/server.py" in names and "k31deploy/data/flags.yaml" in names
+        assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+        assert {m.mtime for m in tar.getmembers()} == {0}
