@@ -14,6 +14,8 @@ COMMAND_MODULES = (
     "k31deploy.commands.calc",
     "k31deploy.commands.sandbox",
     "k31deploy.commands.wheelhouse",
+    "k31deploy.commands.smoke",
+    "k31deploy.commands.ops",
 )
 
 

@@ -1,0 +1,86 @@
+"""`k31 deploy | redeploy | teardown | preflight | status`: the playbooks through ansible-runner, with a live
+view (or --json lines), a run record per run, and Ctrl-C that stops cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+
+from k31deploy.runner import RunRequest, make_view, playbook_for, repo_root, run
+from k31deploy.runner.driver import inventory_paths
+
+HELP = {
+    "deploy": "deploy the inventory's serving stack (deploy.yml)",
+    "redeploy": "roll new settings onto running servers (playbooks/redeploy.yml)",
+    "teardown": "stop and remove what k31 deployed (playbooks/teardown.yml)",
+    "preflight": "check hosts are ready before a deploy (playbooks/preflight.yml)",
+    "status": "report what is running (playbooks/status.yml)",
+}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return value
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The ansible-playbook options every playbook command passes through."""
+    p.add_argument("-i", "--inventory", action="append", required=True, metavar="INV",
+                   help="Ansible inventory file or directory; repeatable")
+    p.add_argument("-l", "--limit", help="only these hosts or groups (Ansible pattern)")
+    p.add_argument("-t", "--tags", help="only tasks with these tags (comma-separated)")
+    p.add_argument("--skip-tags", help="skip tasks with these tags (comma-separated)")
+    p.add_argument("-C", "--check", action="store_true", help="dry run: report what would change")
+    p.add_argument("-D", "--diff", action="store_true", help="show file and template differences")
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
+                   help="key=value, @file or JSON, as ansible-playbook takes them; repeatable")
+    p.add_argument("-f", "--forks", type=positive_int, help="hosts worked on in parallel (default: ansible.cfg)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="Ansible verbosity; repeat for more")
+    p.add_argument("--json", action="store_true", help="one JSON event per line on stdout, a summary line last")
+    p.add_argument("--vault-password-file", action="append", default=[], metavar="FILE",
+                   help="file (or executable) giving the vault password; repeatable")
+    p.add_argument("--ask-vault-pass", action="store_true", help="prompt for the vault password (not echoed)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    for command, text in HELP.items():
+        p = sub.add_parser(command, help=text, description=text)
+        add_run_args(p)
+        if command == "redeploy":
+            p.add_argument("targets", nargs="*", metavar="TARGET",
+                           help="role or server names to redeploy (passed as k31_redeploy_targets; all when omitted)")
+            p.add_argument("--batch", type=positive_int, metavar="N",
+                           help="servers restarted at a time (passed as k31_redeploy_batch)")
+        if command == "teardown":
+            p.add_argument("--yes", action="store_true", help="confirm the teardown (k31_teardown_confirm=true)")
+        p.set_defaults(func=cmd_run, k31_command=command)
+
+
+def k31_vars(args: argparse.Namespace) -> dict[str, object]:
+    """What a subcommand adds to the playbook's extra vars; only what the operator asked for."""
+    out: dict[str, object] = {}
+    if getattr(args, "targets", None):
+        out["k31_redeploy_targets"] = list(args.targets)
+    if getattr(args, "batch", None):
+        out["k31_redeploy_batch"] = args.batch
+    if getattr(args, "yes", False):
+        out["k31_teardown_confirm"] = True
+    return out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    playbook = playbook_for(args.k31_command, repo_root())
+    inventories = inventory_paths(args.inventory)  # before the prompt: a typo should not cost a password
+    password = getpass.getpass("Vault password: ") if args.ask_vault_pass else None
+    request = RunRequest(
+        command=args.k31_command, playbook=playbook, inventories=inventories, limit=args.limit, tags=args.tags,
+        skip_tags=args.skip_tags, check=args.check, diff=args.diff, extra_vars=args.extra_vars,
+        k31_vars=k31_vars(args), forks=args.forks, verbosity=args.verbose,
+        vault_password_files=args.vault_password_file, vault_password=password,
+    )
+    return run(request, make_view(args.json)).exit_code
