@@ -38,6 +38,7 @@ def build_inventory(shape: Shape, addresses: dict[str, str], key_file: Path, kno
         "ansible_ssh_common_args": ssh_common_args(known_hosts),
         **{f"k31_{knob}": value for knob, value in shape.knobs.items()},
         **RUNTIME_VARS,
+        **shape.role_vars,
     }
     children: dict[str, dict] = {}
     for group in GROUPS:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ class Shape:
     description: str
     knobs: dict[str, Any]
     hosts: tuple[Host, ...]
+    role_vars: dict[str, Any] = field(default_factory=dict)   # k31_<role>_* settings the shape needs
 
 
 def load_shapes(path: Path = SHAPES_FILE) -> dict[str, dict[str, Any]]:
@@ -81,4 +82,8 @@ def resolve_shape(name: str | None, nodes: int | None, path: Path = SHAPES_FILE)
     names = [host.name for host in hosts]
     if len(set(names)) != len(names):
         raise K31Error(f"shape {name} lists a host name twice: {names}")
-    return Shape(name=name, description=spec.get("description", ""), knobs=dict(knobs), hosts=tuple(hosts))
+    role_vars = spec.get("role_vars") or {}
+    if not all(str(key).startswith("k31_") for key in role_vars):
+        raise K31Error(f"shape {name}: role_vars must be k31_<role>_* variables")
+    return Shape(name=name, description=spec.get("description", ""), knobs=dict(knobs), hosts=tuple(hosts),
+                 role_vars=dict(role_vars))

@@ -192,7 +192,18 @@ def test_main_prints_a_table_and_exits_0_or_1(standin, capsys):
     assert doc["ok"] is False and doc["target"] == bad
     assert [(c["name"], c["ok"]) for c in doc["checks"]] == [
         ("models", True), ("chat", True), ("stream", True), ("reasoning", False), ("tool_call", False)]
-    assert set(doc["checks"][0]) == {"name", "ok", "seconds", "detail"}
+    assert set(doc["checks"][0]) == {"name", "ok", "seconds", "detail", "skipped"}
+
+
+def test_skipped_checks_are_reported_as_skipped_not_passed(standin, capsys):
+    _, bad = standin([])    # no parsers: reasoning and tool_call would fail
+    assert main(["--base-url", bad, "--model", MODEL, "--skip", "reasoning", "--skip", "tool_call",
+                 "--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out[4:6]] == [["reasoning", "SKIP"], ["tool_call", "SKIP"]]
+    assert out[-1] == f"3 of 3 checks passed against {bad} (model {MODEL}), 2 skipped"
+    assert main(["--base-url", bad, "--model", MODEL, "--skip", "everything"]) == 2
+    assert "valid checks: models, chat, stream, reasoning, tool_call" in capsys.readouterr().err
 
 
 def test_main_exits_2_on_bad_input(tmp_path, capsys):
