@@ -21,10 +21,13 @@ off the nodes.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,3 +267,52 @@ def install(
     stamp.write_text(wanted)
     say(f"venv {venv}: installed wheelhouse set {set_name} ({len(pins)} wheels) with no index")
     return venv
+
+
+def set_wheels(set_name: str, wheelhouse: Path, arch: str) -> list[Path]:
+    """The wheel files of `wheelhouse` that a set's pins name (the set must be complete)."""
+    wanted = {(p.name, Version(p.version)) for p in set_pins(set_name)}
+    tags = supported_tags(arch)
+    files = []
+    for path in sorted(wheelhouse.glob("*.whl")):
+        with contextlib.suppress(InvalidWheelFilename):
+            name, version, _build, wheel_tags = parse_wheel_filename(path.name)
+            if (name, version) in wanted and wheel_tags & tags:
+                files.append(path)
+    missing = missing_pins(set_pins(set_name), wheelhouse, arch)
+    if missing:
+        raise K31Error(f"wheelhouse {wheelhouse} lacks {missing[0]} of set {set_name}; "
+                       f"run `k31 wheelhouse build --set {set_name}`")
+    return files
+
+
+def pack(set_name: str, wheelhouse: Path, arch: str) -> tuple[Path, str, bool]:
+    """One reproducible tar of a set's wheels and requirement files, for copying to nodes in one go.
+
+    Returns (path, digest, changed). The digest names the set's content (file names, sizes and the
+    requirement files), so a node that recorded it after installing needs neither copy nor install.
+    """
+    if set_name not in SETS:
+        raise K31Error(f"wheelhouse set {set_name!r} cannot be packed; choose one of {', '.join(SETS)}")
+    files = [*set_wheels(set_name, wheelhouse, arch), *(DATA_DIR / n for n in requirement_files(set_name))]
+    manifest = hashlib.sha256()
+    for path in files:
+        manifest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        if path.suffix == ".txt":
+            manifest.update(path.read_bytes())
+    digest = manifest.hexdigest()[:16]
+    dest = wheelhouse / "packs" / f"{set_name}.tar"
+    stamp = dest.with_suffix(".digest")
+    if dest.is_file() and stamp.is_file() and stamp.read_text() == digest:
+        return dest, digest, False
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in files:
+            info = tar.gettarinfo(str(path), arcname=path.name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            with path.open("rb") as fh:
+                tar.addfile(info, fh)
+    tmp.replace(dest)
+    stamp.write_text(digest)
+    return dest, digest, True

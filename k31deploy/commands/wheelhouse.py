@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,12 +34,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     install.set_defaults(func=_install)
 
+    pack = sub.add_parser("pack", help="one reproducible tar of a set, for the playbooks to copy to nodes")
+    pack.add_argument("--set", dest="set_name", required=True, help="router or dynamo")
+    pack.add_argument("--from", dest="source", type=Path, help="wheelhouse folder (default: STATE_DIR/wheelhouse)")
+    pack.add_argument("--arch", help=f"node CPU: {' or '.join(wheelhouse.ARCHES)} (default: this machine's)")
+    pack.set_defaults(func=_pack)
+
 
 def _build(args: argparse.Namespace) -> int:
     dest = wheelhouse.build(
         args.set_name, args.dest or wheelhouse.default_wheelhouse(), wheelhouse.host_arch(args.arch)
     )
     print(dest.resolve())
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    source = (args.source or wheelhouse.default_wheelhouse()).resolve()
+    path, digest, changed = wheelhouse.pack(args.set_name, source, wheelhouse.host_arch(args.arch))
+    print(json.dumps({"path": str(path), "digest": digest, "changed": changed}))
     return 0
 
 
