@@ -70,7 +70,13 @@ def k31_endpoint(plan: dict[str, Any]) -> str:
     return launch.endpoint(plan)
 
 
+def k31_flag_value(argv: list[str], flag: str) -> str | None:
+    """The token after `flag` in an argv (None when the flag is absent), for verify plays."""
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+
 class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
-                "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint}
+                "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
+                "k31_flag_value": k31_flag_value}

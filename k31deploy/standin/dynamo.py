@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     if not model_dir:
         print("error: K31_STANDIN_MODEL_DIR must name the tiny model directory the mocker serves", file=sys.stderr)
         return 2
+    if parse_args(argv).node_rank >= 1:
+        # Ranks >= 1 of a multi-node server register nothing with Dynamo; like SGLang's, they only
+        # answer /health (here on the worker's system port).
+        cmd = [sys.executable, "-m", "k31deploy.standin", *argv, "--host", "0.0.0.0",
+               "--port", os.environ.get("DYN_SYSTEM_PORT", "30000")]
+        os.environ.pop("K31_STANDIN_RECORD", None)    # the record above holds the planned argv
+        os.execv(cmd[0], cmd)
     cmd = mocker_command(argv, model_dir)
     # The mocker reports healthy on DYN_SYSTEM_PORT only when told to start ready (field notes §5).
     os.environ.setdefault("DYN_SYSTEM_STARTING_HEALTH_STATUS", "ready")
