@@ -45,6 +45,7 @@ DATA_DIR = Path(__file__).parent / "data" / "wheelhouse"
 SETS: dict[str, tuple[tuple[str, bool], ...]] = {
     "router": (("router.txt", False),),
     "dynamo": (("dynamo.txt", False), ("dynamo.nodeps.txt", True)),
+    "mooncake": (("mooncake.nodeps.txt", True),),
 }
 ARCHES = ("x86_64", "aarch64")
 PYTHON_VERSION = (3, 11)

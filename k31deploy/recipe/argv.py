@@ -209,8 +209,10 @@ class EngineArgv:
         if host is None:
             return None
         mc = self.cat["hicache"]["mooncake"]
+        argv = ["mooncake_master", f"--rpc_port={mc['master_port']}", f"--metrics_port={mc['metrics_port']}"]
+        self.r.emit_check("mooncake_master", argv[1:])
         return {"host": host.name, "address": host.address, "port": mc["master_port"],
-                "metrics_port": mc["metrics_port"]}
+                "metrics_port": mc["metrics_port"], "unit": "k31-mooncake-master", "argv": argv}
 
 
 def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
