@@ -12,6 +12,7 @@ import pytest
 from openai import OpenAI
 from standin_fixtures import Processes, free_port, router_command, standin_command
 
+from k31deploy.recipe import resolve
 from k31deploy.standin import replies
 from k31deploy.standin.server import WIDE_LOG_LINE
 
@@ -29,40 +30,25 @@ WEATHER = [{
 }]
 
 
+def _set(argv: list[str], flag: str, value: str) -> None:
+    argv[argv.index(flag) + 1] = value
+
+
 def engine_launch(role: str, port: int, bootstrap_port: int | None = None,
                   monokernel: bool = False) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of one MI355X High-Throughput server as `k31 plan --json` lists a rank's.
-
-    Hand-written from the seed for now (DCP8 over a2a, DFLASH, HiCache but on the PD decode,
-    ReplaySSM but on the PD prefill; the 8-agent unified cell swaps HiCache for the monokernel);
-    to be replaced by the plan's own argv and env.
-    """
-    argv = ["python3", "-m", "sglang.launch_server",
-            "--model-path", "/models/kimi", "--served-model-name", MODEL, "--trust-remote-code",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--tp-size", "8", "--dcp-size", "8", "--dcp-comm-backend", "a2a",
-            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/models/kimi-dflash",
-            "--speculative-dflash-block-size", "6", "--speculative-draft-attention-backend", "triton",
-            "--max-running-requests", "64", "--cuda-graph-max-bs-decode", "64",
-            "--prefill-decode-interval", "16",
-            "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3", "--enable-metrics"]
-    env = {"SGLANG_USE_AITER": "1", "SGLANG_AITER_K3_OPT": "1", "AITER_FLYDSL_FORCE": "1",
-           "AITER_SITUV2_A8W4": "1", "SGLANG_ROCM_RUNTIME_RESERVE_GB": "10"}
-    if role != "prefill":
-        argv += ["--enable-linear-replayssm-spec"]
-    if monokernel:
-        argv += ["--enable-amd-monokernel"]
-        env["SGLANG_AMD_MONO_K31_WIDE"] = "1"
-    elif role != "decode":
-        argv += ["--enable-hierarchical-cache", "--hicache-ratio", "2.5",
-                 "--hicache-write-policy", "write_back"]
-        env["SGLANG_HICACHE_MAMBA_HOST_RATIO"] = "8" if role == "prefill" else "12"
+    """(argv, env) of one MI355X server exactly as `k31 plan --json` lists its rank 0, moved onto
+    loopback test ports: the 92-agent 1P1D for prefill/decode, the 16-agent single node (HiCache) or
+    the 8-agent one (monokernel) for unified."""
+    agents = 92 if role in ("prefill", "decode") else 8 if monokernel else 16
+    plan = resolve({"platform": "mi355x", "agents": agents, "model_path": "/models/kimi",
+                    "draft_model_path": "/models/kimi-dflash"})
+    rank = next(s for s in plan["servers"] if s["role"] == role)["ranks"][0]
+    argv = list(rank["argv"])
+    _set(argv, "--host", "127.0.0.1")
+    _set(argv, "--port", str(port))
     if role == "prefill":
-        argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
-                 "--disaggregation-bootstrap-port", str(bootstrap_port)]
-    elif role == "decode":
-        argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
-    return argv, env
+        _set(argv, "--disaggregation-bootstrap-port", str(bootstrap_port))
+    return argv, dict(rank["env"])
 
 
 def router_args(port: int, workers: list[str] | None = None, prefill: tuple[str, int] | None = None,
