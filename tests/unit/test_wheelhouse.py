@@ -76,6 +76,9 @@ def test_shipped_sets_hold_what_the_nodes_run():
     assert {"pydantic", "uvloop", "msgspec", "pyyaml", "packaging", "pyzmq", "tokenizers"} <= dynamo_names
     # the aisimulate dependency is what breaks an ordinary install; openai is a test-side client only
     assert not {"aisimulate", "openai"} & (dynamo_names | {p.name for p in router})
+    # the Mooncake store master is a binary in the transfer-engine wheel; none of its Python deps
+    assert wh.set_pins("mooncake") == [wh.Pin("mooncake-transfer-engine", "0.3.13.post1")]
+    assert wh.SETS["mooncake"] == (("mooncake.nodeps.txt", True),)
 
 
 def test_dynamo_pydantic_pin_honours_the_runtime_bound():
@@ -84,9 +87,9 @@ def test_dynamo_pydantic_pin_honours_the_runtime_bound():
 
 
 def test_set_names_expands_all_and_rejects_unknown():
-    assert wh.set_names("all") == ["router", "dynamo"]
+    assert wh.set_names("all") == ["router", "dynamo", "mooncake"]
     assert wh.set_names("dynamo") == ["dynamo"]
-    with pytest.raises(K31Error, match="router, dynamo or all"):
+    with pytest.raises(K31Error, match="router, dynamo, mooncake or all"):
         wh.set_names("vllm")
 
 
@@ -342,3 +345,27 @@ def test_cli_install_needs_set_and_venv():
         parse(["wheelhouse", "install", "--set", "dynamo"])
     args = parse(["wheelhouse", "install", "--set", "dynamo", "--venv", "v", "--from", "h"])
     assert (args.set_name, args.venv, args.source) == ("dynamo", Path("v"), Path("h"))
+
+
+def test_pack_is_one_reproducible_tar_whose_digest_tracks_the_set(tmp_path):
+    import tarfile
+
+    fill(tmp_path, wh.set_pins("router"))
+    path, digest, changed = wh.pack("router", tmp_path, "x86_64")
+    assert changed and path == tmp_path / "packs" / "router.tar"
+    first = path.read_bytes()
+    again = wh.pack("router", tmp_path, "x86_64")
+    assert again == (path, digest, False) and path.read_bytes() == first       # nothing rewritten
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+        assert "router.txt" in names and len(names) == len(wh.set_pins("router")) + 1
+        assert {m.mtime for m in tar.getmembers()} == {0}
+    (tmp_path / wheel_name(wh.set_pins("router")[0])).write_bytes(b"rebuilt")   # a wheel changed size
+    _, new_digest, changed = wh.pack("router", tmp_path, "x86_64")
+    assert changed and new_digest != digest
+
+
+def test_pack_refuses_an_incomplete_set(tmp_path):
+    fill(tmp_path, wh.set_pins("router")[1:])
+    with pytest.raises(K31Error, match=r"lacks .* of set router; run `k31 wheelhouse build --set router`"):
+        wh.pack("router", tmp_path, "x86_64")
