@@ -8,21 +8,30 @@ playbooks' copy of it reports "changed" only when the code really changed.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import sys
 import tarfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
+# What nodes run: the stand-in engine (and its Dynamo variant), the tiny model writer, and the flag
+# registry the stand-in parses with. Nothing else of the package goes to a node.
+NODE_PARTS = ("__init__.py", "standin", "tinymodel.py", "data/flags.yaml")
 
 
 def _files() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"))
+    found = []
+    for part in NODE_PARTS:
+        path = PACKAGE / part
+        found += [p for p in (path.rglob("*") if path.is_dir() else [path])
+                  if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")]
+    return sorted(found)
 
 
-def write_bundle(dest: Path) -> bool:
-    """Write the bundle; return True when its content changed."""
+def write_bundle(dest: Path) -> tuple[bool, str]:
+    """Write the bundle; return whether its content changed, and its digest."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path in _files():
@@ -31,13 +40,14 @@ def write_bundle(dest: Path) -> bool:
             info.size, info.mtime, info.mode = len(data), 0, 0o644
             tar.addfile(info, io.BytesIO(data))
     content = buf.getvalue()
+    digest = hashlib.sha256(content).hexdigest()[:16]
     if dest.exists() and dest.read_bytes() == content:
-        return False
+        return False, digest
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_bytes(content)
-    return True
+    return True, digest
 
 
 if __name__ == "__main__":
-    changed = write_bundle(Path(sys.argv[1]))
-    print("changed" if changed else "unchanged")
+    changed, digest = write_bundle(Path(sys.argv[1]))
+    print(json.dumps({"changed": changed, "digest": digest}))

@@ -96,12 +96,14 @@ def test_dynamo_standin_becomes_the_mocker_with_the_plans_mode(monkeypatch):
 
 def test_bundle_is_reproducible_and_has_no_bytecode(tmp_path: Path):
     first, second = tmp_path / "a.tar", tmp_path / "b.tar"
-    assert bundle.write_bundle(first) is True
-    assert bundle.write_bundle(first) is False            # unchanged content: not rewritten
+    changed, digest = bundle.write_bundle(first)
+    assert changed is True
+    assert bundle.write_bundle(first) == (False, digest)   # unchanged content: not rewritten
     bundle.write_bundle(second)
     assert first.read_bytes() == second.read_bytes()
     with tarfile.open(first) as tar:
         names = tar.getnames()
         assert "k31deploy/standin/server.py" in names and "k31deploy/data/flags.yaml" in names
+        assert "k31deploy/recipe/resolver.py" not in names      # nodes get only what they run
         assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
         assert {m.mtime for m in tar.getmembers()} == {0}
