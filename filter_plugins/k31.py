@@ -70,6 +70,17 @@ def k31_endpoint(plan: dict[str, Any]) -> str:
     return launch.endpoint(plan)
 
 
+def k31_env_file(texts: list[str]) -> dict[str, str]:
+    """KEY=VALUE lines of env files (comments and blanks skipped), later files winning."""
+    env: dict[str, str] = {}
+    for text in texts:
+        for line in text.splitlines():
+            key, sep, value = line.strip().partition("=")
+            if sep and key and not key.startswith("#"):
+                env[key.strip()] = value.strip()
+    return env
+
+
 def k31_flag_value(argv: list[str], flag: str) -> str | None:
     """The token after `flag` in an argv (None when the flag is absent), for verify plays."""
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
@@ -79,4 +90,4 @@ class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
                 "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
-                "k31_flag_value": k31_flag_value}
+                "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file}

@@ -13,7 +13,7 @@ from k31deploy.sandbox.shapes import GROUPS, Shape
 # No GPUs, no serving image: engines run the CPU stand-in, the router and Dynamo frontend run from
 # venvs built out of the wheelhouse (the roles' air-gapped path).
 RUNTIME_VARS = {"k31_engine_runtime": "standin", "k31_router_runtime": "venv", "k31_dynamo_runtime": "venv",
-                "k31_mooncake_store_runtime": "venv"}
+                "k31_mooncake_store_runtime": "venv", "k31_preflight_require_gpu": False}
 
 
 def ssh_common_args(known_hosts: Path) -> str:

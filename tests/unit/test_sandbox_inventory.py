@@ -86,7 +86,7 @@ def test_inventory_is_plain_yaml_round_trip():
     text = dump_inventory(build_inventory(shape, _addresses(shape), KEY, KNOWN))
     data = yaml.safe_load(text)
     assert list(data["all"]["children"]["k31_unified"]["hosts"]) == ["unified0", "unified1", "unified2"]
-    assert data["all"]["vars"]["k31_unified_strategy"] == "high-throughput"
+    assert data["all"]["vars"]["k31_agents"] == 16 and data["all"]["vars"]["k31_preflight_require_gpu"] is False
 
 
 def test_known_hosts_lists_each_address_with_its_own_key():
