@@ -51,11 +51,12 @@ def k31_host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
 
 
 def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str, env_file: str,
-                       container_cli: str = "docker", venv: str = "/opt/k31/venv") -> list[str]:
+                       container_cli: str = "docker", venv: str = "/opt/k31/venv",
+                       extra_flags: list[str] | None = None) -> list[str]:
     """The command a rank's unit runs for the host's runtime (container, venv or the stand-in)."""
     try:
         return launch.engine_command(plan, rank, runtime, env_file=env_file, container_cli=container_cli,
-                                     venv=venv, mounts=launch.model_mounts(plan))
+                                     venv=venv, mounts=launch.model_mounts(plan), extra_flags=extra_flags)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 

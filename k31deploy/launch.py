@@ -48,7 +48,7 @@ def _container_flags(flags: list[str], cli: str) -> list[str]:
 
 def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, env_file: str,
                    container_cli: str = "docker", venv: str = "/opt/k31/venv",
-                   mounts: list[str] | None = None) -> list[str]:
+                   mounts: list[str] | None = None, extra_flags: list[str] | None = None) -> list[str]:
     """The full command a rank's systemd unit runs."""
     argv = list(rank["argv"])
     if runtime not in RUNTIMES:
@@ -61,7 +61,8 @@ def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, 
             raise K31Error(f"image is {plan.get('image')}: set k31_image to the serving image before a deploy")
         volumes = [t for m in (mounts or []) for t in ("-v", m)]
         return [container_cli, "run", "--rm", "--name", rank["unit"],
-                *_container_flags(plan["container_flags"], container_cli), "--env-file", env_file, *volumes,
+                *_container_flags(plan["container_flags"], container_cli), *(extra_flags or []),
+                "--env-file", env_file, *volumes,
                 str(plan["image"]), *argv]
     if argv[:2] != ["python3", "-m"]:
         raise K31Error(f"{rank['unit']} runs {argv[0]}, which k31_engine_runtime={runtime} cannot start; "
