@@ -35,7 +35,8 @@ def test_container_command_carries_family_flags_env_file_mounts_and_the_planned_
 
 def test_rocm_hosts_add_their_numeric_render_group():
     plan = resolve(MI_PD)
-    cmd = launch.engine_command(plan, rank0(plan, "decode"), "container", env_file="e", extra_flags=["--group-add", "110"])
+    cmd = launch.engine_command(plan, rank0(plan, "decode"), "container", env_file="e",
+                                extra_flags=["--group-add", "110"])
     assert cmd[cmd.index("110") - 1] == "--group-add" and cmd.index("110") < cmd.index("reg/k31:rocm10")
 
 
