@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "k31deploy.commands.wheelhouse",
     "k31deploy.commands.smoke",
     "k31deploy.commands.ops",
+    "k31deploy.commands.status",
 )
 
 

@@ -1,11 +1,14 @@
-"""`k31 deploy | redeploy | teardown | preflight | status`: the playbooks through ansible-runner, with a live
-view (or --json lines), a run record per run, and Ctrl-C that stops cleanly."""
+"""`k31 deploy | redeploy | teardown | preflight`: the playbooks through ansible-runner, with a live view
+(or --json lines), a run record per run, and Ctrl-C that stops cleanly. (`k31 status` is
+k31deploy.commands.status: one ad-hoc probe, no playbook.)"""
 
 from __future__ import annotations
 
 import argparse
 import getpass
+import sys
 
+from k31deploy.errors import K31Error
 from k31deploy.runner import RunRequest, make_view, playbook_for, repo_root, run
 from k31deploy.runner.driver import inventory_paths
 
@@ -14,7 +17,6 @@ HELP = {
     "redeploy": "roll new settings onto running servers (playbooks/redeploy.yml)",
     "teardown": "stop and remove what k31 deployed (playbooks/teardown.yml)",
     "preflight": "check hosts are ready before a deploy (playbooks/preflight.yml)",
-    "status": "report what is running (playbooks/status.yml)",
 }
 
 
@@ -73,9 +75,22 @@ def k31_vars(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+def confirm_teardown(args: argparse.Namespace) -> None:
+    """The runner cannot pass the playbook's own prompt through, so the controller asks."""
+    if args.k31_command != "teardown" or args.yes or args.check:
+        return
+    if not sys.stdin.isatty():
+        raise K31Error("teardown stops and removes every k31 unit; confirm with --yes (no terminal to ask on)")
+    answer = input(f"Stop and remove every k31 unit of {', '.join(args.inventory)}? Type 'teardown' to go on: ")
+    if answer.strip() != "teardown":
+        raise K31Error("teardown not confirmed; nothing was changed")
+    args.yes = True
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     playbook = playbook_for(args.k31_command, repo_root())
     inventories = inventory_paths(args.inventory)  # before the prompt: a typo should not cost a password
+    confirm_teardown(args)
     password = getpass.getpass("Vault password: ") if args.ask_vault_pass else None
     request = RunRequest(
         command=args.k31_command, playbook=playbook, inventories=inventories, limit=args.limit, tags=args.tags,

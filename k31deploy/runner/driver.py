@@ -26,7 +26,7 @@ from k31deploy.errors import K31Error
 from k31deploy.runner import records
 from k31deploy.runner.view import View
 
-COMMANDS = ("deploy", "redeploy", "teardown", "preflight", "status")
+COMMANDS = ("deploy", "redeploy", "teardown", "preflight")
 # ansible-playbook --ask-vault-pass prompts this; the runner answers it from memory (pexpect), never a file.
 VAULT_PROMPT = r"^Vault password:\s*?$"
 # How often (s) the runner polls the cancel callback; its default of 5 s makes Ctrl-C feel ignored.

@@ -1,0 +1,75 @@
+"""`k31 status -i INV [--json]` and `k31 logs -i INV [SERVER]`: what runs where, read over SSH in one
+parallel Ansible ad-hoc run (k31deploy.oncall.gather)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from k31deploy.commands.recipe import add_plan_args, plan_from_args
+from k31deploy.errors import K31Error
+from k31deploy.oncall import gather
+from k31deploy.paths import state_dir
+
+
+def _inventories(args: argparse.Namespace) -> list[str]:
+    if not args.inventory:
+        raise K31Error(f"k31 {args.command} needs -i INVENTORY: the deployed inventory names the hosts to read")
+    path = Path(args.inventory)
+    if not path.exists():
+        raise K31Error(f"inventory {args.inventory} does not exist; pass -i with the deployed inventory file")
+    return [str(path.resolve())]
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="every server, rank, router and Dynamo process: unit state, health, image",
+                       description="Every server rank, the router and every other k31 process: systemd state, "
+                                   "rank-0 /health, router readiness and workers, image or runtime, uptime, "
+                                   "restarts. Exit 0 when nothing is wrong, 1 when a problem is listed.")
+    add_plan_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-become", dest="become", action="store_false",
+                   help="do not become root on the hosts (journal and container reads may then fail)")
+    p.set_defaults(func=cmd_status, command="status")
+
+    p = sub.add_parser("logs", help="recent journal lines of each rank, fetched into a local folder",
+                       description="Fetch the last journal lines of every k31 unit (or one server's ranks, or "
+                                   "'router') into DEST, one file per unit; prints DEST.")
+    add_plan_args(p)
+    p.add_argument("server", nargs="?", metavar="SERVER", help="one server name (or 'router'); all when omitted")
+    p.add_argument("--lines", type=positive, default=200, metavar="N", help="journal lines per unit (default 200)")
+    p.add_argument("--dest", type=Path, metavar="DIR",
+                   help="folder to write into (default: <state dir>/logs/<timestamp>)")
+    p.add_argument("--no-become", dest="become", action="store_false", help="do not become root on the hosts")
+    p.set_defaults(func=cmd_logs, command="logs")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    inventories = _inventories(args)
+    doc = gather.status(plan_from_args(args), inventories, become=args.become)
+    print(json.dumps(doc, indent=2) if args.json else gather.render(doc))
+    return 1 if doc["problems"] else 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    inventories = _inventories(args)
+    plan = plan_from_args(args)
+    dest = args.dest or state_dir() / "logs" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = gather.logs(plan, inventories, args.server, args.lines, dest.resolve(), become=args.become)
+    for host, why in out["missed"].items():
+        print(f"k31 logs: {host}: no logs: {why}", file=sys.stderr)
+    print(out["dest"])
+    return 1 if out["missed"] else 0

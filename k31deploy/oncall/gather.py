@@ -1,0 +1,263 @@
+"""`k31 status` and `k31 logs` on the controller: one Ansible ad-hoc run (ansible-runner, the repo's
+ansible.cfg, the inventory's own SSH settings and known_hosts, every host in parallel) ships probe.py to
+each host, and the answers are folded into one report against the resolved plan."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from k31deploy.errors import K31Error
+from k31deploy.oncall.rollout import http, worker_url
+
+PROBE = Path(__file__).with_name("probe.py")
+TASK_TIMEOUT_S = 20
+# (inventory, probe source, hosts, become) -> {host: answer}; ansible_probe, or a fake in unit tests.
+Runner = Callable[[list[str], str, list[str], bool], dict[str, dict[str, Any]]]
+
+
+def plan_hosts(plan: dict[str, Any]) -> list[str]:
+    hosts = [r["host"] for s in plan["servers"] for r in s["ranks"]]
+    if plan.get("router"):
+        hosts.append(plan["router"]["host"])
+    return list(dict.fromkeys(hosts))
+
+
+def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per host: the planned units and the URLs to probe for each, on 127.0.0.1 (where the gates probe)."""
+    specs: dict[str, dict[str, Any]] = {h: {"units": {}} for h in plan_hosts(plan)}
+    for server in plan["servers"]:
+        for rank in server["ranks"]:
+            specs[rank["host"]]["units"][rank["unit"]] = {"health": http("127.0.0.1", server["port"], "/health")}
+    router = plan.get("router")
+    if router:
+        base = http("127.0.0.1", router["port"])
+        urls = ({"readiness": f"{base}/readiness", "workers": f"{base}/workers"} if router["kind"] == "sglang"
+                else {"models": f"{base}/v1/models"})
+        specs[router["host"]]["units"][router["unit"]] = urls
+    return specs
+
+
+def probe_source(spec: dict[str, Any]) -> str:
+    return ("#!/usr/bin/env python3\n" + PROBE.read_text()
+            + f"\n\nraise SystemExit(cli(json.loads({json.dumps(json.dumps(spec))})))\n")
+
+
+def ansible_probe(inventory: list[str], source: str, hosts: list[str], become: bool) -> dict[str, dict[str, Any]]:
+    """Run the probe on `hosts` in one ad-hoc run; {host: parsed JSON | {"unreachable"|"failed": message}}."""
+    import ansible_runner
+
+    from k31deploy.runner.driver import repo_root, runner_env
+
+    root = repo_root()
+    with tempfile.TemporaryDirectory(prefix="k31-probe-") as tmp:
+        script = Path(tmp) / "k31-probe.py"
+        script.write_text(source)
+        (Path(tmp) / "run").mkdir()
+        runner = ansible_runner.run(
+            private_data_dir=str(Path(tmp) / "run"), project_dir=str(root), inventory=inventory,
+            host_pattern=",".join(hosts), module="ansible.builtin.script",
+            module_args=f"{script} {{{{ inventory_hostname }}}}", envvars=runner_env(root),
+            # A host that froze behind an open SSH control connection hangs instead of failing the connect.
+            cmdline=f"--task-timeout {TASK_TIMEOUT_S}" + (" --become" if become else ""), quiet=True,
+            suppress_env_files=True,
+        )
+        results: dict[str, dict[str, Any]] = {}
+        for event in runner.events:
+            data = event.get("event_data") or {}
+            host, res = data.get("host"), data.get("res") or {}
+            if not host:
+                continue
+            if event["event"] == "runner_on_ok":
+                try:
+                    results[host] = json.loads(res.get("stdout") or "")
+                except ValueError:
+                    results[host] = {"failed": f"the probe printed no JSON: {(res.get('stdout') or '')[:200]}"}
+            elif event["event"] == "runner_on_unreachable":
+                results[host] = {"unreachable": str(res.get("msg", "unreachable")).strip()}
+            elif event["event"] == "runner_on_failed":
+                message = " ".join(str(res.get(k) or "").strip() for k in ("msg", "stderr")).strip()
+                # The task timeout: the host hung behind an open SSH connection.
+                hung = "Timed out after" in message or "expected time frame" in message
+                results[host] = {"unreachable" if hung else "failed": message}
+    for host in hosts:
+        results.setdefault(host, {"failed": f"ansible returned nothing for {host} (rc {runner.rc})"})
+    return results
+
+
+def _rank_row(server: dict[str, Any], rank: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"host": rank["host"], "node_rank": rank["node_rank"], "unit": rank["unit"]}
+    if "units" not in answer:
+        row["reachable"] = False
+        row["error"] = answer.get("unreachable") or answer.get("failed")
+        return row
+    row["reachable"] = True
+    row.update({k: v for k, v in answer["units"].get(rank["unit"], {"active": "absent"}).items() if k != "unit"})
+    return row
+
+
+def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The report: servers with their ranks, the router, every other k31 process, and the problems."""
+    problems: list[str] = []
+    for host, answer in answers.items():
+        if "units" not in answer:
+            problems.append(f"{host}: {'unreachable' if 'unreachable' in answer else 'probe failed'}: "
+                            f"{answer.get('unreachable') or answer.get('failed')}")
+    router = plan.get("router")
+    router_doc = None
+    listed: set[str] | None = None
+    if router:
+        answer = answers.get(router["host"], {})
+        unit = dict(answer.get("units", {}).get(router["unit"], {"active": "unknown" if "units" not in answer
+                                                                  else "absent"}))
+        router_doc = {"kind": router["kind"], "host": router["host"], "port": router["port"], **unit}
+        if "units" in answer:
+            if unit.get("active") != "active":
+                problems.append(f"{router['unit']} on {router['host']}: {unit.get('active')}/{unit.get('sub', '-')}")
+            if router["kind"] == "sglang":
+                if unit.get("readiness") != 200:
+                    problems.append(f"router /readiness answers {unit.get('readiness')}")
+                if isinstance(unit.get("workers"), list):
+                    listed = {w["url"] for w in unit["workers"] if w.get("healthy") is not False}
+            elif plan["model"] not in (unit.get("models") or []):
+                problems.append(f"the Dynamo frontend does not list {plan['model']}")
+    servers = []
+    for server in plan["servers"]:
+        ranks = [_rank_row(server, r, answers.get(r["host"], {})) for r in server["ranks"]]
+        doc = {"name": server["name"], "role": server["role"], "port": server["port"],
+               "health": ranks[0].get("health"), "ranks": ranks,
+               "in_router": (worker_url(server) in listed) if listed is not None else None}
+        for row in ranks:
+            if row["reachable"] and row.get("active") != "active":
+                problems.append(f"{row['unit']} on {row['host']}: {row.get('active')}/{row.get('sub', '-')}")
+        if ranks[0]["reachable"] and doc["health"] != 200:
+            problems.append(f"{server['name']}: rank 0 /health answers {doc['health']}")
+        if doc["in_router"] is False:
+            problems.append(f"{server['name']}: not in the router's healthy workers")
+        servers.append(doc)
+    planned = {r["unit"] for s in plan["servers"] for r in s["ranks"]} | ({router["unit"]} if router else set())
+    processes = []
+    for host, answer in sorted(answers.items(), key=lambda item: plan_hosts(plan).index(item[0])):
+        for unit, info in answer.get("units", {}).items():
+            if unit not in planned:
+                row = {"host": host, **info}
+                if unit == "k31-pd-follow" and "pd_follow" in answer:
+                    row["pd_follow"] = answer["pd_follow"]
+                    if answer["pd_follow"].get("pending"):
+                        problems.append(f"{host}: prefill restart pending after decode "
+                                        f"{', '.join(answer['pd_follow'].get('because') or [])} restarted"
+                                        + (" (held by a redeploy)" if answer["pd_follow"].get("held") else ""))
+                if info.get("active") not in ("active", "inactive") or info.get("load") == "not-found":
+                    problems.append(f"{unit} on {host}: {info.get('active')}/{info.get('sub', '-')}")
+                processes.append(row)
+    return {"model": plan["model"], "topology": plan["topology"],
+            "generated": datetime.now().isoformat(timespec="seconds"),
+            "servers": servers, "router": router_doc, "processes": processes,
+            "hosts": {h: ("ok" if "units" in a else "unreachable" if "unreachable" in a else "probe failed")
+                      for h, a in answers.items()},
+            "problems": problems}
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _image(row: dict[str, Any]) -> str:
+    if row.get("runtime") == "container":
+        return row.get("image") or "container (image unknown)"
+    return row.get("runtime") or "-"
+
+
+def render(doc: dict[str, Any]) -> str:
+    header = ("SERVER", "ROLE", "RANK", "HOST", "UNIT", "STATE", "HEALTH", "ROUTER", "IMAGE/RUNTIME", "UPTIME",
+              "RESTARTS", "STARTED")
+    rows: list[tuple[str, ...]] = [header]
+    for s in doc["servers"]:
+        for r in s["ranks"]:
+            in_router = {True: "in", False: "OUT", None: "-"}[s["in_router"]] if r["node_rank"] == 0 else ""
+            if not r["reachable"]:
+                rows.append((s["name"], s["role"], str(r["node_rank"]), r["host"], r["unit"], "UNREACHABLE", "-",
+                             in_router, "-", "-", "-", "-"))
+                continue
+            rows.append((s["name"], s["role"], str(r["node_rank"]), r["host"], r["unit"],
+                         f"{r.get('active')}/{r.get('sub', '-')}", str(r.get("health", "-")), in_router, _image(r),
+                         duration(r.get("uptime_s")), str(r.get("restarts", "-")), r.get("started") or "-"))
+    router = doc["router"]
+    if router:
+        state = f"{router.get('active')}/{router.get('sub', '-')}" if "sub" in router else str(router.get("active"))
+        check = str(router.get("readiness", len(router.get("models") or []) if router["kind"] == "dynamo" else "-"))
+        rows.append((f"router ({router['kind']})", "router", "-", router["host"], router.get("unit") or "-",
+                     state, check, "", _image(router), duration(router.get("uptime_s")),
+                     str(router.get("restarts", "-")), router.get("started") or "-"))
+    for p in doc["processes"]:
+        rows.append(("-", "process", "-", p["host"], p["unit"], f"{p.get('active')}/{p.get('sub', '-')}", "-", "",
+                     _image(p), duration(p.get("uptime_s")), str(p.get("restarts", "-")), p.get("started") or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if router and isinstance(router.get("workers"), list):
+        workers = router["workers"]
+        lines.append(f"router workers: {len(workers)} ("
+                     + ", ".join(f"{w['url']} {w.get('type')}{'' if w.get('healthy') else ' UNHEALTHY'}"
+                                 for w in workers) + ")")
+    lines += [f"problem: {p}" for p in doc["problems"]] or ["no problems found"]
+    return "\n".join(lines)
+
+
+def status(plan: dict[str, Any], inventory: list[str], become: bool = True,
+           runner: Runner = ansible_probe) -> dict[str, Any]:
+    spec = {"mode": "status", "common": {}, "hosts": host_specs(plan)}
+    return build_status(plan, runner(inventory, probe_source(spec), plan_hosts(plan), become))
+
+
+def log_units(plan: dict[str, Any], server: str | None) -> dict[str, list[str]] | None:
+    """{host: units} for one server (or 'router'); None for every k31 unit of every host."""
+    if server is None:
+        return None
+    for s in plan["servers"]:
+        if s["name"] == server:
+            out: dict[str, list[str]] = {}
+            for r in s["ranks"]:
+                out.setdefault(r["host"], []).append(r["unit"])
+            return out
+    router = plan.get("router")
+    if server == "router" and router:
+        return {router["host"]: [router["unit"]]}
+    valid = [s["name"] for s in plan["servers"]] + (["router"] if router else [])
+    raise K31Error(f"server {server!r} is not in this inventory's plan; valid choices: {', '.join(valid)}")
+
+
+def logs(plan: dict[str, Any], inventory: list[str], server: str | None, lines: int, dest: Path,
+         become: bool = True, runner: Runner = ansible_probe) -> dict[str, Any]:
+    """Fetch the journal of each unit into `dest` (one file per unit); returns what was written and missed."""
+    wanted = log_units(plan, server)
+    hosts = list(wanted) if wanted is not None else plan_hosts(plan)
+    spec = {"mode": "logs", "common": {"lines": lines},
+            "hosts": {h: {"units": {u: {} for u in units}} for h, units in (wanted or {}).items()}}
+    answers = runner(inventory, probe_source(spec), hosts, become)
+    fetched: dict[str, dict[str, str]] = {}
+    for host, answer in answers.items():
+        for unit, text in answer.get("logs", {}).items():
+            if wanted is None or unit in wanted.get(host, []):
+                fetched.setdefault(unit, {})[host] = text
+    dest.mkdir(parents=True, exist_ok=True)
+    files = []
+    for unit, by_host in sorted(fetched.items()):
+        for host, text in sorted(by_host.items()):
+            path = dest / (f"{unit}.log" if len(by_host) == 1 else f"{unit}.{host}.log")
+            path.write_text(text)
+            files.append(str(path))
+    missed = {h: a.get("unreachable") or a.get("failed") for h, a in answers.items() if "logs" not in a}
+    return {"dest": str(dest), "files": files, "missed": missed}

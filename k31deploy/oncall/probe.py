@@ -1,0 +1,143 @@
+"""Runs ON each host (shipped by `k31 status` / `k31 logs` through Ansible's script module): reads the
+k31 units' systemd state, probes health URLs on 127.0.0.1, and prints one JSON document.
+
+Standard library only and Python 3.8-compatible: hosts have nothing of k31 but what the roles put there.
+The controller appends a line calling cli() with what to probe on every host.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+PROPS = ("LoadState", "ActiveState", "SubState", "ExecMainStartTimestamp", "ExecMainStartTimestampMonotonic",
+         "NRestarts", "MainPID", "Result")
+# k31 processes without a launch script of their own (Dynamo's discovery, the PD restart-rule watcher).
+EXTRA_UNITS = ("k31-etcd", "k31-nats", "k31-pd-follow")
+FOLLOW_STATE = "/run/k31/pd-follow.state.json"
+
+
+def run(argv):
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 1, str(exc)
+    return proc.returncode, proc.stdout
+
+
+def discovered_units(etc_dir):
+    """k31's services on this host (loaded or only installed): the known extras and every k31-* unit with a
+    launch script in etc_dir (an engine rank or router, also one a newer plan no longer has)."""
+    found = set()
+    for argv in (["systemctl", "list-units", "--all", "--plain", "--no-legend", "k31-*"],
+                 ["systemctl", "list-unit-files", "--plain", "--no-legend", "k31-*"]):
+        rc, out = run(argv)
+        if rc == 0:
+            for line in out.splitlines():
+                name = line.split()[0] if line.split() else ""
+                if name.endswith(".service"):
+                    found.add(name[: -len(".service")])
+    return sorted(u for u in found if u in EXTRA_UNITS or os.path.exists(f"{etc_dir}/{u}.sh"))
+
+
+def unit_state(unit, now_mono):
+    rc, out = run(["systemctl", "show", "-p", ",".join(PROPS), unit])
+    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line) if rc == 0 else {}
+    started_mono = int(props.get("ExecMainStartTimestampMonotonic") or 0) / 1e6
+    active = props.get("ActiveState", "unknown")
+    return {
+        "unit": unit,
+        "load": props.get("LoadState", "unknown"),
+        "active": active,
+        "sub": props.get("SubState", "unknown"),
+        "result": props.get("Result", ""),
+        "started": props.get("ExecMainStartTimestamp", ""),
+        "started_monotonic": started_mono,
+        "uptime_s": round(now_mono - started_mono, 1) if started_mono and active == "active" else None,
+        "restarts": int(props.get("NRestarts") or 0),
+        "pid": int(props.get("MainPID") or 0),
+    }
+
+
+def http(url, timeout=3.0):
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code}
+    except (OSError, ValueError) as exc:
+        return {"status": 0, "error": str(getattr(exc, "reason", exc))}
+    try:
+        return {"status": status, "json": json.loads(raw) if raw else None}
+    except ValueError:
+        return {"status": status}
+
+
+def runtime(unit, etc_dir):
+    """What the unit runs, read from its launch script: a container (with the image the running container
+    was started from), a venv, or the stand-in."""
+    try:
+        with open(f"{etc_dir}/{unit}.sh") as fh:
+            script = fh.read()
+    except OSError:
+        return {}
+    lines = [line for line in script.splitlines() if line.startswith("exec ")]
+    tokens = lines[-1].split() if lines else []
+    if len(tokens) > 2 and tokens[1].rsplit("/", 1)[-1] in ("docker", "podman") and tokens[2] == "run":
+        cli = tokens[1]
+        rc, out = run([cli, "inspect", "--format", "{{.Config.Image}}", unit])
+        return {"runtime": "container", "image": out.strip() if rc == 0 else None, "container_cli": cli}
+    if re.search(r"-m k31deploy\.standin", script):
+        return {"runtime": "standin"}
+    return {"runtime": "venv"}
+
+
+def status(spec):
+    now_mono = time.monotonic()  # systemd's *Monotonic timestamps use the same clock
+    units = {}
+    etc_dir = spec.get("etc_dir", "/etc/k31")
+    for unit in sorted(set(spec.get("units", {})) | set(discovered_units(etc_dir))):
+        info = unit_state(unit, now_mono)
+        info.update(runtime(unit, etc_dir))
+        for key, url in (spec.get("units", {}).get(unit) or {}).items():
+            answer = http(url)
+            info[key] = answer["status"]
+            if key == "workers" and isinstance(answer.get("json"), dict):
+                info["workers"] = [{"url": w.get("url"), "type": w.get("worker_type"),
+                                    "healthy": w.get("is_healthy")} for w in answer["json"].get("workers", [])]
+            elif key == "models" and isinstance(answer.get("json"), dict):
+                info["models"] = [m.get("id") for m in answer["json"].get("data", [])]
+        units[unit] = info
+    out = {"units": units}
+    try:
+        with open(FOLLOW_STATE) as fh:
+            out["pd_follow"] = json.load(fh)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def logs(spec):
+    lines = str(int(spec.get("lines", 200)))
+    out = {}
+    for unit in sorted(set(spec.get("units", {})) | set(discovered_units(spec.get("etc_dir", "/etc/k31")))):
+        rc, text = run(["journalctl", "-u", unit, "-n", lines, "--no-pager", "-o", "short-iso"])
+        out[unit] = text if rc == 0 else "journalctl failed: " + text
+    return {"logs": out}
+
+
+def main(spec, host):
+    """spec: {"mode": "status"|"logs", "common": {...}, "hosts": {name: {...}}}."""
+    mine = dict(spec.get("common", {}), **spec["hosts"].get(host, {}))
+    print(json.dumps(logs(mine) if spec.get("mode") == "logs" else status(mine)))
+    return 0
+
+
+def cli(spec):
+    """What the controller's appended line calls: the host's inventory name is the script's argument."""
+    return main(spec, sys.argv[1])

@@ -1,0 +1,159 @@
+"""The order a redeploy restarts servers in, from the resolved plan (pure Python, used by roles/k31_redeploy).
+
+The seed's PD rule: the prefill keeps the old decode's Mooncake mapping, so after a decode restarts every
+prefill paired with it restarts once the decode is healthy again. The SGLang router (and Dynamo) pair any
+prefill with any decode, so in this PD topology "paired" means every prefill server of the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k31deploy.errors import K31Error
+
+ROLES = ("decode", "prefill", "unified")  # also the rollout's phase order: prefills follow their decodes
+RULE = "the prefill keeps the old decode's Mooncake mapping (seed, PD disaggregation)"
+
+
+def http(address: str, port: int, path: str = "") -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}{path}"
+
+
+def worker_url(server: dict[str, Any]) -> str:
+    """The URL the router knows the server by: rank 0's address, as the plan's router argv writes it."""
+    return http(server["ranks"][0]["address"], server["port"])
+
+
+def paired_prefills(plan: dict[str, Any]) -> list[str]:
+    """Prefill servers a decode exchanges KV with: the router pairs every prefill with every decode."""
+    return [s["name"] for s in plan["servers"] if s["role"] == "prefill"]
+
+
+def expand_targets(plan: dict[str, Any], targets: list[str] | None) -> list[str]:
+    """Role and server names -> server names in plan order; nothing named means every server."""
+    servers = [s["name"] for s in plan["servers"]]
+    if not targets:
+        return servers
+    roles_present = [r for r in ROLES if any(s["role"] == r for s in plan["servers"])]
+    wanted: set[str] = set()
+    for target in targets:
+        if target in servers:
+            wanted.add(target)
+        elif target in roles_present:
+            wanted.update(s["name"] for s in plan["servers"] if s["role"] == target)
+        else:
+            raise K31Error(f"redeploy target {target!r} is neither a server nor a role of this inventory; valid "
+                           f"choices: {', '.join(roles_present + servers)}")
+    return [name for name in servers if name in wanted]
+
+
+def _step(server: dict[str, Any], reason: str) -> dict[str, Any]:
+    rank0 = server["ranks"][0]
+    return {
+        "name": server["name"], "role": server["role"], "reason": reason,
+        "hosts": [r["host"] for r in server["ranks"]], "rank0_host": rank0["host"],
+        "units": [r["unit"] for r in server["ranks"]], "port": server["port"],
+        "worker_url": worker_url(server),
+        "worker_type": "regular" if server["role"] == "unified" else server["role"],
+        "bootstrap_port": server.get("bootstrap_port"),
+        "health_url": http("127.0.0.1", server["port"], "/health"),
+        "load_url": http("127.0.0.1", server["port"], "/get_load"),
+    }
+
+
+def _chunks(steps: list[dict[str, Any]], batch: int) -> list[list[dict[str, Any]]]:
+    """Per role: the first server alone (the canary), then `batch` servers at a time."""
+    out: list[list[dict[str, Any]]] = []
+    for role in ROLES:
+        group = [s for s in steps if s["role"] == role]
+        if group:
+            out.append(group[:1])
+            out += [group[i:i + batch] for i in range(1, len(group), batch)]
+    return out
+
+
+def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int = 1) -> dict[str, Any]:
+    """What the redeploy playbook iterates over: hosts in order, `serial` batch sizes, one step per server."""
+    try:
+        batch = int(batch)
+    except (TypeError, ValueError):
+        batch = 0
+    if batch < 1:
+        raise K31Error("k31_redeploy_batch must be a whole number of 1 or more (servers restarted at a time)")
+    if isinstance(targets, str):
+        targets = [t for t in targets.replace(",", " ").split() if t]
+    by_name = {s["name"]: s for s in plan["servers"]}
+    named = expand_targets(plan, targets)
+    decodes = [n for n in named if by_name[n]["role"] == "decode"]
+    followers = [p for p in paired_prefills(plan) if p not in named] if decodes else []
+    steps = [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "decode"]
+    steps += [_step(s, "target" if s["name"] in named else "pd-rule")
+              for s in plan["servers"] if s["role"] == "prefill" and (s["name"] in named or s["name"] in followers)]
+    steps += [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "unified"]
+
+    router = plan.get("router") or None
+    drain = bool(router) and router["kind"] == "sglang"
+    all_decodes = [s["name"] for s in plan["servers"] if s["role"] == "decode"]
+    # A restarted decode waits out of the router until its prefills restarted (no request meets a stale
+    # mapping) -- possible only while a decode this run leaves alone keeps serving.
+    hold = drain and bool(decodes) and any(d not in decodes for d in all_decodes)
+
+    notes = []
+    if decodes:
+        prefills = paired_prefills(plan)
+        notes.append(f"{', '.join(decodes)} restart{'s' if len(decodes) == 1 else ''}: the paired prefill "
+                     f"server{'s' if len(prefills) != 1 else ''} {', '.join(prefills)} then restart once "
+                     f"{'it is' if len(decodes) == 1 else 'they are'} healthy again, because {RULE}"
+                     + (f" (added: {', '.join(followers)})" if followers else ""))
+        notes.append(f"{', '.join(decodes)} stay{'s' if len(decodes) == 1 else ''} out of the router until "
+                     "those prefills restarted" if hold else
+                     "every decode server restarts, so each rejoins the router after its health gate; until the "
+                     "prefills restarted, requests through it may meet a stale mapping")
+    if router and not drain:
+        notes.append(f"router kind {router['kind']}: servers are not drained through a worker API "
+                     "(Dynamo workers leave discovery as they stop)")
+
+    chunks = _chunks(steps, batch)
+    return {
+        "steps": {s["name"]: s for s in steps},
+        "order": [s["name"] for s in steps],
+        "hosts": [h for chunk in chunks for s in chunk for h in s["hosts"]],
+        "serial": [sum(len(s["hosts"]) for s in chunk) for chunk in chunks] or [1],
+        "host_server": {h: s["name"] for s in steps for h in s["hosts"]},
+        "decodes": decodes,
+        "followers": followers,
+        "hold_decodes": hold,
+        "hold_hosts": [h for s in steps if s["role"] == "prefill" for h in s["hosts"]] if decodes else [],
+        "router": {"kind": router["kind"], "host": router["host"], "port": router["port"],
+                   "url": http("127.0.0.1", router["port"])} if router else None,
+        "drain": drain,
+        "notes": notes,
+    }
+
+
+def follow_config(plan: dict[str, Any], host: str, **settings: Any) -> dict[str, Any] | None:
+    """The k31-pd-follow watcher's config for `host`: None unless it runs a prefill rank of a PD plan."""
+    prefills = [s for s in plan["servers"] if s["role"] == "prefill"]
+    decodes = [s for s in plan["servers"] if s["role"] == "decode"]
+    mine = [(i, s, r) for i, s in enumerate(prefills) for r in s["ranks"] if r["host"] == host]
+    if not mine or not decodes:
+        return None
+    router = plan.get("router") or None
+    drains = []
+    for _, server, rank in mine:
+        if rank["node_rank"] == 0 and router and router["kind"] == "sglang":
+            drains.append({"router": http(router["address"], router["port"]), "worker_url": worker_url(server),
+                           "bootstrap_port": server.get("bootstrap_port"),
+                           "health": http("127.0.0.1", server["port"], "/health"),
+                           "load": http("127.0.0.1", server["port"], "/get_load")})
+    own = {s["name"] for _, s, _ in mine}
+    return {
+        "units": [r["unit"] for _, _, r in mine],
+        "index": min(i for i, _, _ in mine),
+        "peers": [worker_url(s) for s in prefills if s["name"] not in own] if drains else [],
+        "decodes": [{"name": d["name"], "health": http(d["ranks"][0]["address"], d["port"], "/health")}
+                    for d in decodes],
+        "drains": drains,
+        **settings,
+    }

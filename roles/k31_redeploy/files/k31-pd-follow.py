@@ -1,0 +1,241 @@
+#!/usr/bin/python3
+"""k31-pd-follow: the seed's PD restart rule for restarts nobody planned.
+
+The seed: the prefill keeps the old decode's Mooncake mapping, so a decode restart must be followed by a
+prefill restart. `k31 redeploy` orders that itself; this watcher covers the rest -- a decode that crashed
+and came back through systemd's Restart=on-failure, or one an operator restarted by hand.
+
+Design (why it runs here): nodes hold no SSH keys to each other and the router host cannot restart units
+elsewhere, so the watcher runs on every PREFILL host and restarts only that host's own prefill units. It
+polls each paired decode's /health over the cluster network (the path KV transfer uses anyway). A decode
+that was seen up, then down (connection refused or an error status: its process was gone or loading),
+then up again has restarted -- a decode that merely stops answering (a hung host, a network cut) has
+not, and restarting prefills for it would cost a model load each; once it is healthy, the local prefill units are
+restarted unless they already started after the decode came back (k31 redeploy's own prefill pass does
+that). While /run/k31/pd-follow.hold exists (k31 redeploy writes it; its text is the seconds it holds
+for, counted from its mtime) the watcher waits for the redeploy's drained restart instead of racing it.
+Rank 0 of a prefill is drained through the SGLang router's worker API first and re-added after its
+/health gate; prefill servers take turns (index x stagger seconds) so they are not all out at once.
+Python standard library only: it runs on hosts that have nothing of k31 but this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+DEFAULT_CONFIG = "/etc/k31/pd-follow.json"
+
+
+def log(message: str) -> None:
+    print(f"k31-pd-follow: {message}", flush=True)
+
+
+class Host:
+    """What the watcher does to the world; replaced by a fake in the unit tests."""
+
+    def __init__(self, api_key: str = "", timeout: float = 3.0):
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def request(self, method: str, url: str, body: dict | None = None) -> tuple[int, object]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code, None
+        except (OSError, ValueError):
+            return 0, None
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, None
+
+    def health(self, url: str) -> str:
+        """up (200), down (refused or an error status: the process is gone or loading), or silent (no
+        answer in time: a hung host or a network cut, which alone is no restart)."""
+        req = urllib.request.Request(url)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return "up" if resp.status == 200 else "down"
+        except urllib.error.HTTPError:
+            return "down"
+        except (OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            return "silent" if isinstance(exc, socket.timeout) or isinstance(reason, socket.timeout) else "down"
+
+    def healthy(self, url: str) -> bool:
+        return self.health(url) == "up"
+
+    def started_at(self, unit: str) -> float:
+        """When the unit's main process started, on the monotonic clock (0 when it is not running)."""
+        out = subprocess.run(["systemctl", "show", "-p", "ExecMainStartTimestampMonotonic", "--value", unit],
+                             capture_output=True, text=True, check=False).stdout.strip()
+        return int(out or 0) / 1e6
+
+    def restart(self, units: list[str]) -> None:
+        subprocess.run(["systemctl", "restart", *units], check=True)
+
+    def held(self, path: str) -> bool:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                seconds = float(fh.read().strip() or 0)
+            return time.time() < os.stat(path).st_mtime + seconds
+        except (OSError, ValueError):
+            return False
+
+
+class Follower:
+    def __init__(self, config: dict, host: Host):
+        self.cfg = config
+        self.host = host
+        self.state = {d["name"]: "unknown" for d in config["decodes"]}
+        self.pending: float | None = None   # monotonic time a decode was seen healthy again after a restart
+        self.because: list[str] = []
+        self.last_restart: dict | None = None
+
+    def poll(self) -> bool:
+        """One round; True when it restarted the local prefill units."""
+        now = self.host.now()
+        for decode in self.cfg["decodes"]:
+            name, was = decode["name"], self.state[decode["name"]]
+            seen = self.host.health(decode["health"])
+            if seen == "up":
+                if was == "down":
+                    log(f"decode {name} answers /health again after a restart")
+                    self.pending = now
+                    self.because = sorted({*self.because, name})
+                self.state[name] = "up"
+            elif seen == "down" and was == "up":
+                log(f"decode {name} is down (/health refused or not 200)")
+                self.state[name] = "down"
+        if self.pending is None:
+            return False
+        if self.host.held(self.cfg.get("hold_file", "/run/k31/pd-follow.hold")):
+            return False
+        if all(self.host.started_at(u) > self.pending for u in self.cfg["units"]):
+            log(f"{', '.join(self.cfg['units'])} already restarted after {', '.join(self.because)}")
+            self._clear()
+            return False
+        # Another decode still down: wait for it (one restart for both), but not forever.
+        waiting = [n for n, s in self.state.items() if s == "down"]
+        if waiting and now - self.pending < float(self.cfg.get("settle_seconds", 60)):
+            return False
+        if now - self.pending < self.cfg.get("index", 0) * float(self.cfg.get("stagger_seconds", 10)):
+            return False
+        self._restart()
+        return True
+
+    def _clear(self) -> None:
+        self.pending = None
+        self.because = []
+
+    def _restart(self) -> None:
+        units, because = self.cfg["units"], ", ".join(self.because)
+        log(f"restarting {', '.join(units)}: decode {because} restarted and the prefill keeps the old decode's "
+            "Mooncake mapping (seed)")
+        for drain in self.cfg.get("drains", []):
+            # Prefill servers take turns: the others must be back in the router before this one leaves it.
+            self._wait("the other prefill servers to be back in the router", lambda d=drain: self._peers_back(d),
+                       float(self.cfg.get("health_timeout", 3600)))
+            self._drain(drain)
+        self.host.restart(units)
+        self._clear()
+        for drain in self.cfg.get("drains", []):
+            self._rejoin(drain)
+        self.last_restart = {"units": units, "because": because, "at": time.time()}
+        log(f"restarted {', '.join(units)}")
+
+    def _workers(self, drain: dict) -> list[dict]:
+        status, body = self.host.request("GET", f"{drain['router']}/workers")
+        return body.get("workers", []) if status == 200 and isinstance(body, dict) else []
+
+    def _peers_back(self, drain: dict) -> bool:
+        listed = {w.get("url") for w in self._workers(drain) if w.get("is_healthy", True)}
+        return set(self.cfg.get("peers", [])) <= listed
+
+    def _wait(self, what: str, done, timeout: float) -> bool:
+        deadline = self.host.now() + timeout
+        while not done():
+            if self.host.now() >= deadline:
+                log(f"gave up waiting for {what} after {timeout:g} s")
+                return False
+            self.host.sleep(float(self.cfg.get("poll_seconds", 1)))
+        return True
+
+    def _drain(self, drain: dict) -> None:
+        url = drain["worker_url"]
+        for worker in self._workers(drain):
+            if worker.get("url") == url:
+                self.host.request("DELETE", f"{drain['router']}/workers/{worker['id']}")
+        self._wait(f"the router to drop {url}", lambda: all(w.get("url") != url for w in self._workers(drain)),
+                   float(self.cfg.get("drain_timeout", 120)))
+        self._wait(f"in-flight requests on {url} to finish", lambda: self._idle(drain["load"]),
+                   float(self.cfg.get("drain_timeout", 120)))
+
+    def _idle(self, url: str) -> bool:
+        status, body = self.host.request("GET", url)
+        if status != 200 or not isinstance(body, list):
+            return True  # no load endpoint to read: the drain timeout is all there is
+        return sum(int(r.get("num_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in body) == 0
+
+    def _rejoin(self, drain: dict) -> None:
+        if not self._wait(f"{drain['health']} to answer 200", lambda: self.host.healthy(drain["health"]),
+                          float(self.cfg.get("health_timeout", 3600))):
+            return  # left out of the router: a prefill that never came back must not take requests
+        body = {"url": drain["worker_url"], "worker_type": "prefill"}
+        if drain.get("bootstrap_port"):
+            body["bootstrap_port"] = int(drain["bootstrap_port"])
+        status, _ = self.host.request("POST", f"{drain['router']}/workers", body)
+        log(f"re-added {drain['worker_url']} to the router (HTTP {status})")
+
+    def snapshot(self) -> dict:
+        return {"decodes": dict(self.state), "pending": self.pending is not None, "because": self.because,
+                "held": self.host.held(self.cfg.get("hold_file", "/run/k31/pd-follow.hold")),
+                "last_restart": self.last_restart}
+
+
+def main(argv: list[str]) -> int:
+    path = argv[1] if len(argv) > 1 else DEFAULT_CONFIG
+    with open(path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    follower = Follower(config, Host(api_key=config.get("api_key", "")))
+    state_file = config.get("state_file", "/run/k31/pd-follow.state.json")
+    log(f"watching {', '.join(d['name'] for d in config['decodes'])} for {', '.join(config['units'])}")
+    last = None
+    while True:
+        try:
+            follower.poll()
+        except (OSError, subprocess.CalledProcessError) as exc:
+            log(f"error: {exc}")  # keep watching: the next round retries
+        snap = follower.snapshot()
+        if snap != last:
+            os.makedirs(os.path.dirname(state_file), exist_ok=True)
+            with open(f"{state_file}.tmp", "w", encoding="utf-8") as fh:
+                json.dump(snap, fh)
+            os.replace(f"{state_file}.tmp", state_file)
+            last = snap
+        time.sleep(float(config.get("poll_seconds", 1)))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

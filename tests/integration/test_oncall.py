@@ -1,0 +1,358 @@
+"""On-call fault tests on one sandbox (shape mi355x-2p2d: two prefill and two decode stand-in servers
+behind the real sglang-router), deployed once with deploy.yml plus the k31-pd-follow watcher:
+
+(a) kill -9 a decode engine: systemd restarts it and the paired prefill restarts follow (the watcher);
+(b) rolling redeploy of one of two decode servers under steady client load: zero failed requests, and
+    the seed's rule restarts both prefills after it;
+(c) a new version that never becomes healthy rolls back by itself, with the reason, and serves again;
+(d) a host that becomes unreachable mid-redeploy: every other server keeps serving, the run and
+    `k31 status` report it;
+(e) teardown asks first, then removes what the deploy created, idempotently.
+
+Needs root, podman, runc, debootstrap and the router wheels (built into .k31/wheelhouse when missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from k31deploy import wheelhouse
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = f"oncall-{os.getpid()}"
+SHAPE = "mi355x-2p2d"
+MODEL = "moonshotai/Kimi-K3.1-Pro"
+PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+# The k31 commands through their own register(), the same handlers the `k31` CLI dispatches to.
+RUNNER = """
+import argparse, sys
+from k31deploy.commands import ops, sandbox, status
+from k31deploy.errors import K31Error
+parser = argparse.ArgumentParser(prog="k31")
+sub = parser.add_subparsers(required=True)
+for module in (ops, sandbox, status):
+    module.register(sub)
+args = parser.parse_args(sys.argv[1:])
+try:
+    sys.exit(args.func(args))
+except K31Error as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def k31(env, *args, timeout=600):
+    proc = subprocess.run([sys.executable, "-c", RUNNER, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+    print(f"$ k31 {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def playbook(env, inventory, path, *args, timeout=600):
+    proc = subprocess.run([str(PLAYBOOK), "-i", str(inventory), str(REPO / path), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert "Traceback" not in proc.stderr
+    return proc
+
+
+def ctr(host):
+    return f"k31-{NAME}-{host}"
+
+
+def sh(host, command, check=True):
+    proc = subprocess.run(["podman", "exec", ctr(host), "sh", "-c", command], capture_output=True, text=True,
+                          timeout=60)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def unit(host, name):
+    """systemd's view of a unit: active state, restart count, and when its main process started (us, on
+    the kernel's monotonic clock, which every container of the sandbox shares)."""
+    out = sh(host, f"systemctl show -p ActiveState,NRestarts,ExecMainStartTimestampMonotonic {name}")
+    props = dict(line.split("=", 1) for line in out.splitlines())
+    return {"active": props["ActiveState"], "restarts": int(props["NRestarts"]),
+            "started": int(props["ExecMainStartTimestampMonotonic"])}
+
+
+def wait_for(what, check, timeout=90.0, interval=0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, env, inventory):
+        self.env = env
+        self.inventory = inventory
+        data = yaml.safe_load(inventory.read_text())["all"]["children"]
+        self.address = {h: v["ansible_host"] for g in data.values() for h, v in (g or {}).get("hosts", {}).items()}
+        self.router = f"http://{self.address['router0']}:8000"
+
+    def workers(self):
+        return {w["url"]: w["is_healthy"] for w in httpx.get(f"{self.router}/workers", timeout=10).json()["workers"]}
+
+    def url(self, host, port):
+        return f"http://{self.address[host]}:{port}"
+
+    def all_in_router(self):
+        want = {self.url("prefill0", 30000), self.url("prefill1", 30000), self.url("decode0", 30100),
+                self.url("decode1", 30100)}
+        return set(self.workers()) == want and all(self.workers().values())
+
+
+def ask(client, router, i):
+    """One request through the router: 200 and an answer, and for streams the closing [DONE]."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 16}
+    if i % 3 == 0:
+        with client.stream("POST", f"{router}/v1/chat/completions", json={**body, "stream": True}) as resp:
+            text = "".join(resp.iter_text())
+            return resp.status_code == 200 and "data: [DONE]" in text, f"stream {resp.status_code} {text[-120:]!r}"
+    resp = client.post(f"{router}/v1/chat/completions", json=body)
+    ok = resp.status_code == 200 and bool(resp.json()["choices"][0]["message"]["content"])
+    return ok, f"{resp.status_code} {resp.text[:120]!r}"
+
+
+class Load:
+    """Steady client load through the router from a thread pool, bounded to `limit` requests."""
+
+    def __init__(self, router, limit=800, workers=4, pause=1.0):
+        self.router, self.limit, self.workers, self.pause = router, limit, workers, pause
+        self.stop = threading.Event()
+        self.sent = 0
+        self.last_start = 0.0  # monotonic time the last request was sent
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+
+    def _worker(self):
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                with self.lock:
+                    if self.sent >= self.limit:
+                        return
+                    self.sent += 1
+                    i = self.sent
+                    self.last_start = time.monotonic()
+                try:
+                    ok, detail = ask(client, self.router, i)
+                except httpx.HTTPError as exc:
+                    ok, detail = False, repr(exc)
+                if not ok:
+                    with self.lock:
+                        self.failures.append(detail)
+                time.sleep(self.pause)
+
+    def __enter__(self):
+        self.pool = ThreadPoolExecutor(self.workers)
+        self.futures = [self.pool.submit(self._worker) for _ in range(self.workers)]
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for f in self.futures:
+            f.result()
+        self.pool.shutdown()
+
+
+def serve_all(cluster, n=30):
+    with httpx.Client(timeout=60) as client:
+        results = [ask(client, cluster.router, i) for i in range(n)]
+    return [detail for ok, detail in results if not ok]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    env = {**os.environ, "K31_STATE_DIR": str(state), "PYTHONPATH": str(REPO),
+           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "cp"),
+           "ANSIBLE_DEPRECATION_WARNINGS": "False"}
+    # The roles install the router from the repo's wheelhouse (k31_router_wheelhouse).
+    wheelhouse.build("router", REPO / ".k31" / "wheelhouse", wheelhouse.host_arch())
+    t0 = time.monotonic()
+    proc = k31(env, "sandbox", "up", "--shape", SHAPE, "--name", NAME)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        inventory = Path(proc.stdout.strip().splitlines()[-1])
+        proc = playbook(env, inventory, "deploy.yml")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        proc = playbook(env, inventory, "playbooks/redeploy.yml", "--tags", "k31_pd_follow")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        print(f"sandbox {NAME} deployed in {time.monotonic() - t0:.0f} s")
+        yield Cluster(env, inventory)
+    finally:
+        for host in ("decode1",):
+            subprocess.run(["podman", "unpause", ctr(host)], capture_output=True)
+        k31(env, "sandbox", "down", "--name", NAME)
+
+
+def test_a_decode_crash_is_followed_by_its_prefill_restarts(cluster):
+    before = {h: unit(h, f"k31-{h}-r0") for h in ("decode0", "prefill0", "prefill1")}
+    t0 = time.monotonic()
+    sh("decode0", "kill -9 $(systemctl show -p MainPID --value k31-decode0-r0)")
+    decode = wait_for("systemd to restart decode0", lambda: (u := unit("decode0", "k31-decode0-r0"))["restarts"]
+                      > before["decode0"]["restarts"] and u["active"] == "active" and u)
+    wait_for("decode0 /health", lambda: httpx.get(cluster.url("decode0", 30100) + "/health", timeout=3)
+             .status_code == 200)
+    healthy_s = time.monotonic() - t0
+    for host in ("prefill0", "prefill1"):
+        after = wait_for(f"{host} to restart after decode0", lambda h=host: (u := unit(h, f"k31-{h}-r0"))["started"]
+                         > decode["started"] and u["active"] == "active" and u, timeout=120)
+        # An orderly restart by the watcher, not a crash of its own.
+        assert after["restarts"] == before[host]["restarts"]
+        journal = sh(host, "journalctl -u k31-pd-follow --no-pager")
+        assert f"restarting k31-{host}-r0: decode decode0 restarted" in journal
+    wait_for("every server back in the router", cluster.all_in_router, timeout=60)
+    print(f"(a) decode0 killed -> healthy again in {healthy_s:.1f} s; both prefills restarted after it "
+          f"{time.monotonic() - t0:.1f} s after the kill")
+    assert serve_all(cluster) == []
+
+
+def test_b_rolling_redeploy_of_one_decode_under_load_fails_no_request(cluster):
+    before = {h: unit(h, f"k31-{h}-r0") for h in ("decode0", "decode1", "prefill0", "prefill1")}
+    t0 = time.monotonic()
+    with Load(cluster.router) as load:
+        time.sleep(2)
+        sent_before = load.sent
+        proc = k31(cluster.env, "redeploy", "decode1", "-i", str(cluster.inventory))
+        sent_during = load.sent - sent_before
+        done = time.monotonic()
+        time.sleep(1.5)
+    took = done - t0
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert load.failures == [], load.failures[:5]
+    # The load was steady: it ran from before the redeploy until after it ended.
+    assert load.last_start > done, f"the load stopped {done - load.last_start:.0f} s before the redeploy ended"
+    assert sent_during >= 40, f"only {sent_during} requests ran during the redeploy"
+    after = {h: unit(h, f"k31-{h}-r0") for h in before}
+    assert after["decode1"]["started"] > before["decode1"]["started"]
+    assert after["decode0"]["started"] == before["decode0"]["started"]  # left alone
+    # The seed's rule: both prefills restarted, after decode1 came back.
+    for host in ("prefill0", "prefill1"):
+        assert after[host]["started"] > after["decode1"]["started"]
+    assert "restarted for the PD rule" in proc.stdout and "Mooncake mapping" in proc.stdout
+    assert cluster.all_in_router()
+    steps = [line.split("| ")[-1] for line in proc.stdout.splitlines() if " ok in " in line]
+    print(f"(b) redeploy decode1 (+ prefill0, prefill1) took {took:.1f} s with {load.sent} requests, "
+          f"{len(load.failures)} failed; steps: {steps}")
+
+
+def test_c_a_version_that_never_gets_healthy_rolls_back_by_itself(cluster):
+    env_file = "/etc/k31/k31-decode0-r0.env"
+    good = sh("decode0", f"cat {env_file}")
+    before = unit("decode0", "k31-decode0-r0")
+    proc = k31(cluster.env, "redeploy", "decode0", "-i", str(cluster.inventory),
+               "-e", "k31_engine_standin_load_seconds=100000", "-e", "k31_engine_health_timeout=10")
+    assert proc.returncode != 0
+    out = proc.stdout
+    assert "decode0: rolled_back" in out and "did not answer /health within 10 s" in out, out[-3000:]
+    assert "rolled back to the previous unit, env file and launch script" in out
+    # The previous env file is back (the new one said K31_STANDIN_LOAD_SECONDS=100000) and serves.
+    assert sh("decode0", f"cat {env_file}") == good
+    assert "K31_STANDIN_LOAD_SECONDS=100000" not in good
+    after = unit("decode0", "k31-decode0-r0")
+    assert after["active"] == "active" and after["started"] > before["started"]
+    assert httpx.get(cluster.url("decode0", 30100) + "/health", timeout=3).status_code == 200
+    # decode0 restarted (twice), so the prefills still follow it -- as they are, no new version.
+    for host in ("prefill0", "prefill1"):
+        assert unit(host, f"k31-{host}-r0")["started"] > after["started"]
+    assert "no new version; restarted as it is" in out
+    assert cluster.all_in_router()
+    assert serve_all(cluster) == []
+
+
+def test_d_a_host_lost_mid_redeploy_leaves_the_others_serving_and_is_reported(cluster, tmp_path):
+    before = unit("decode0", "k31-decode0-r0")
+    paused = threading.Event()
+
+    def pause_decode1_once_decode0_restarts():
+        wait_for("the redeploy to restart decode0", lambda: unit("decode0", "k31-decode0-r0")["started"]
+                 > before["started"], timeout=180, interval=0.3)
+        subprocess.run(["podman", "pause", ctr("decode1")], check=True, capture_output=True)
+        paused.set()
+
+    watcher = threading.Thread(target=pause_decode1_once_decode0_restarts, daemon=True)
+    watcher.start()
+    # Fresh SSH control connections: a host frozen behind an old one hangs rather than refusing.
+    env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
+    try:
+        t0 = time.monotonic()
+        proc = k31(env, "redeploy", "decode", "-i", str(cluster.inventory))
+        took = time.monotonic() - t0
+        watcher.join(5)
+        assert paused.is_set()
+        assert proc.returncode != 0
+        out = proc.stdout
+        assert "decode1: unreachable" in out and "every other server keeps serving" in out, out[-3000:]
+        assert "decode0: ok" in out
+        # decode0 restarted, so both prefills followed it despite the failure.
+        d0 = unit("decode0", "k31-decode0-r0")
+        for host in ("prefill0", "prefill1"):
+            assert unit(host, f"k31-{host}-r0")["started"] > d0["started"]
+        workers = cluster.workers()
+        assert cluster.url("decode1", 30100) not in workers and all(workers.values()) and len(workers) == 3
+        assert serve_all(cluster) == []
+        t1 = time.monotonic()
+        status = k31(env, "status", "-i", str(cluster.inventory), "--json")
+        status_s = time.monotonic() - t1
+        assert status.returncode == 1
+        doc = json.loads(status.stdout)
+        assert doc["hosts"]["decode1"] == "unreachable"
+        assert any(p.startswith("decode1: unreachable") for p in doc["problems"])
+        servers = {s["name"]: s for s in doc["servers"]}
+        assert servers["decode1"]["in_router"] is False
+        for name in ("decode0", "prefill0", "prefill1"):
+            assert servers[name]["health"] == 200 and servers[name]["in_router"] is True
+            assert servers[name]["ranks"][0]["active"] == "active"
+        assert doc["router"]["readiness"] == 200
+        print(f"(d) redeploy with decode1 lost took {took:.1f} s; k31 status answered in {status_s:.1f} s")
+    finally:
+        subprocess.run(["podman", "unpause", ctr("decode1")], capture_output=True)
+
+
+def test_e_status_logs_and_teardown(cluster, tmp_path):
+    # decode1 only stopped answering (paused), it never restarted: no prefill restart for it.
+    time.sleep(3)
+    for host in ("prefill0", "prefill1"):
+        journal = sh(host, "journalctl -u k31-pd-follow --no-pager")
+        assert f"restarting k31-{host}-r0: decode decode1" not in journal
+    proc = k31(cluster.env, "logs", "-i", str(cluster.inventory), "decode0", "--lines", "20",
+               "--dest", str(tmp_path / "logs"))
+    assert proc.returncode == 0 and proc.stdout.strip() == str(tmp_path / "logs")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["k31-decode0-r0.log"]
+    assert "k31 stand-in: decode server" in (tmp_path / "logs" / "k31-decode0-r0.log").read_text()
+
+    units = "systemctl list-unit-files --no-legend 'k31-*' | cut -d' ' -f1"
+    proc = playbook(cluster.env, cluster.inventory, "playbooks/teardown.yml")
+    assert proc.returncode != 0 and "teardown not confirmed, nothing was removed" in proc.stdout
+    assert "k31-decode0-r0.service" in sh("decode0", units)
+
+    proc = k31(cluster.env, "teardown", "--yes", "-i", str(cluster.inventory))
+    assert proc.returncode == 0
+    for host in ("prefill0", "prefill1", "decode0", "decode1", "router0"):
+        left = [u for u in sh(host, units).split() if u != "k31-ssh-host-keys.service"]  # the sandbox's own
+        assert left == [], (host, left)
+        assert sh(host, "ls /etc/k31 | grep -v '^prometheus$' || true").split() == [], host
+    assert "k31-ssh-host-keys.service" in sh("decode0", units)
+    proc = playbook(cluster.env, cluster.inventory, "playbooks/teardown.yml", "-e", "k31_teardown_confirm=true")
+    assert proc.returncode == 0 and "changed=" in proc.stdout
+    assert all(int(c) == 0 for c in
+               [part.split("=")[1] for line in proc.stdout.splitlines() if "ok=" in line
+                for part in line.split() if part.startswith("changed=")])

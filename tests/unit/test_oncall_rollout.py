@@ -1,0 +1,123 @@
+"""The redeploy's rollout order (k31deploy.oncall.rollout): targets, canary and batches, the seed's PD
+restart rule, when decodes wait out of the router, and the k31-pd-follow watcher's config."""
+
+import pytest
+
+from k31deploy.errors import K31Error
+from k31deploy.oncall.rollout import follow_config, rollout
+from k31deploy.recipe import resolve
+from k31deploy.recipe.hosts import from_mapping
+
+
+def pd_plan(prefills=2, decodes=2, router="sglang"):
+    hosts = [from_mapping(f"p{i}", ["k31_prefill"], {"ansible_host": f"10.0.0.{i + 1}"}) for i in range(prefills)]
+    hosts += [from_mapping(f"d{i}", ["k31_decode"], {"ansible_host": f"10.0.1.{i + 1}"}) for i in range(decodes)]
+    hosts.append(from_mapping("r0", ["k31_router"], {"ansible_host": "10.0.9.1"}))
+    return resolve({"platform": "mi355x", "agents": 92, "router": router}, hosts)
+
+
+def gb300_plan():
+    """GB300 PD as the sandbox's gb300-pd shape: two-tray servers behind a Dynamo frontend."""
+    hosts = [from_mapping(f"{s}-t{t}", [f"k31_{s[:-1]}"], {"k31_server": s})
+             for s in ("prefill0", "decode0") for t in range(2)]
+    hosts.append(from_mapping("r0", ["k31_router"], {}))
+    return resolve({"platform": "gb300", "topology": "pd", "router": "dynamo", "prefill_strategy": "low-latency",
+                    "decode_strategy": "balanced", "speculative": "dflash", "max_running_requests": 64}, hosts)
+
+
+def unified_plan(n=3):
+    hosts = [from_mapping(f"u{i}", ["k31_unified"], {}) for i in range(n)] + [from_mapping("r0", ["k31_router"], {})]
+    return resolve({"platform": "mi355x", "topology": "unified", "agents": 16}, hosts)
+
+
+def test_one_decode_brings_every_paired_prefill_after_it_and_says_why():
+    r = rollout(pd_plan(), ["d1"])
+    assert r["order"] == ["d1", "p0", "p1"]
+    assert r["followers"] == ["p0", "p1"]
+    assert [r["steps"][n]["reason"] for n in r["order"]] == ["target", "pd-rule", "pd-rule"]
+    assert r["hosts"] == ["d1", "p0", "p1"] and r["serial"] == [1, 1, 1]
+    assert "Mooncake mapping" in r["notes"][0] and "p0, p1" in r["notes"][0]
+    # d0 keeps serving, so the restarted d1 waits out of the router until p0 and p1 restarted.
+    assert r["hold_decodes"] is True and r["hold_hosts"] == ["p0", "p1"]
+
+
+def test_every_decode_rejoins_after_its_gate_when_none_is_left_to_serve():
+    r = rollout(pd_plan(), ["decode"])
+    assert r["order"] == ["d0", "d1", "p0", "p1"]
+    assert r["hold_decodes"] is False
+    assert "stale mapping" in r["notes"][1]
+
+
+def test_prefill_alone_restarts_no_decode_and_holds_nothing():
+    r = rollout(pd_plan(), ["prefill"])
+    assert r["order"] == ["p0", "p1"] and r["followers"] == [] and r["hold_hosts"] == [] and r["notes"] == []
+
+
+def test_named_prefill_and_decode_restart_once_decode_first():
+    r = rollout(pd_plan(), ["p1", "d0"])
+    assert r["order"] == ["d0", "p0", "p1"]
+    assert [r["steps"][n]["reason"] for n in r["order"]] == ["target", "pd-rule", "target"]
+
+
+def test_everything_when_no_target():
+    assert rollout(pd_plan(), [])["order"] == ["d0", "d1", "p0", "p1"]
+    assert rollout(pd_plan(), "d0, p1")["order"] == ["d0", "p0", "p1"]
+
+
+def test_canary_then_batches_per_role():
+    r = rollout(unified_plan(5), None, batch=2)
+    assert r["serial"] == [1, 2, 2]
+    r = rollout(pd_plan(prefills=3, decodes=3), ["decode"], batch=2)
+    assert r["serial"] == [1, 2, 1, 2]  # d0 | d1 d2 | p0 | p1 p2
+
+
+def test_multinode_servers_move_in_one_batch():
+    r = rollout(gb300_plan(), ["decode0"])
+    decode = r["steps"]["decode0"]
+    assert decode["hosts"] == ["decode0-t0", "decode0-t1"] and decode["rank0_host"] == "decode0-t0"
+    assert r["order"] == ["decode0", "prefill0"] and r["serial"] == [2, 2]
+    assert r["drain"] is False and r["hold_decodes"] is False
+    assert any("Dynamo" in n for n in r["notes"])
+
+
+def test_steps_carry_the_url_the_router_knows_the_server_by():
+    plan = pd_plan()
+    router_argv = plan["router"]["argv"]
+    r = rollout(plan, ["d0"])
+    d0, p0 = r["steps"]["d0"], r["steps"]["p0"]
+    assert d0["worker_url"] in router_argv and p0["worker_url"] in router_argv
+    assert (d0["worker_type"], d0["bootstrap_port"]) == ("decode", None)
+    assert (p0["worker_type"], p0["bootstrap_port"]) == ("prefill", 8998)
+    assert d0["health_url"] == "http://127.0.0.1:30100/health" and d0["units"] == ["k31-d0-r0"]
+    assert r["router"]["host"] == "r0" and r["router"]["url"] == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(("targets", "batch", "match"), [
+    (["nope"], 1, "redeploy target 'nope' is neither a server nor a role.*valid choices: decode, prefill"),
+    (["unified"], 1, "valid choices: decode, prefill, p0"),
+    (["d0"], 0, "k31_redeploy_batch must be a whole number of 1 or more"),
+    (["d0"], "two", "k31_redeploy_batch"),
+])
+def test_bad_input_is_one_sentence(targets, batch, match):
+    with pytest.raises(K31Error, match=match) as info:
+        rollout(pd_plan(), targets, batch)
+    assert "\n" not in str(info.value)
+
+
+def test_follow_config_only_on_prefill_hosts():
+    plan = pd_plan()
+    assert follow_config(plan, "d0") is None and follow_config(plan, "r0") is None
+    assert follow_config(unified_plan(), "u0") is None
+    cfg = follow_config(plan, "p1", poll_seconds=1)
+    assert cfg["units"] == ["k31-p1-r0"] and cfg["index"] == 1 and cfg["poll_seconds"] == 1
+    assert [d["health"] for d in cfg["decodes"]] == ["http://10.0.1.1:30100/health", "http://10.0.1.2:30100/health"]
+    (drain,) = cfg["drains"]
+    assert drain["router"] == "http://10.0.9.1:8000" and drain["worker_url"] == "http://10.0.0.2:30000"
+    assert drain["bootstrap_port"] == 8998 and cfg["peers"] == ["http://10.0.0.1:30000"]
+
+
+def test_follow_config_without_sglang_router_does_not_drain():
+    plan = gb300_plan()
+    rank1 = follow_config(plan, "prefill0-t1")
+    assert rank1["units"] == ["k31-prefill0-r1"] and rank1["drains"] == [] and rank1["peers"] == []
+    assert follow_config(plan, "prefill0-t0")["drains"] == []
