@@ -45,7 +45,9 @@ def down(name: str) -> None:
 
 
 def deploy(inventory: str) -> float:
-    return timed(str(BIN / "ansible-playbook"), "deploy.yml", "-i", inventory)
+    seconds = timed(str(BIN / "ansible-playbook"), "deploy.yml", "-i", inventory)
+    print(f"bench: deploy of {Path(inventory).parent.name} took {seconds} s", file=sys.stderr, flush=True)
+    return seconds
 
 
 def main() -> int:
