@@ -9,6 +9,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from k31deploy.commands.ops import positive_int
 from k31deploy.commands.recipe import add_plan_args, plan_from_args
 from k31deploy.errors import K31Error
 from k31deploy.oncall import gather
@@ -22,16 +23,6 @@ def _inventories(args: argparse.Namespace) -> list[str]:
     if not path.exists():
         raise K31Error(f"inventory {args.inventory} does not exist; pass -i with the deployed inventory file")
     return [str(path.resolve())]
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "'router') into DEST, one file per unit; prints DEST.")
     add_plan_args(p)
     p.add_argument("server", nargs="?", metavar="SERVER", help="one server name (or 'router'); all when omitted")
-    p.add_argument("--lines", type=positive, default=200, metavar="N", help="journal lines per unit (default 200)")
+    p.add_argument("--lines", type=positive_int, default=200, metavar="N", help="journal lines per unit (default 200)")
     p.add_argument("--dest", type=Path, metavar="DIR",
                    help="folder to write into (default: <state dir>/logs/<timestamp>)")
     p.add_argument("--no-become", dest="become", action="store_false", help="do not become root on the hosts")

@@ -11,23 +11,12 @@ import os
 from pathlib import Path
 
 import pytest
+from recipe_helpers import cell_knobs
 
 from k31deploy.recipe import iter_cells, resolve
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 CELLS = list(iter_cells())
-
-
-def cell_knobs(platform: str, role: str, strategy: str, cell: dict) -> dict:
-    knobs: dict = {"platform": platform}
-    if platform != "tpu7x":
-        knobs["max_running_requests"] = 64
-    if role == "unified":
-        knobs["unified_strategy"] = strategy
-    else:
-        knobs["topology"] = "pd"
-        knobs.update({"wide_ep": True} if cell.get("knob") else {f"{role}_strategy": strategy})
-    return knobs
 
 
 @pytest.mark.parametrize("platform,role,strategy,cell", CELLS, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CELLS])

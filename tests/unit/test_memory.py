@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from recipe_helpers import cell_knobs
 
 from k31deploy.errors import K31Error
 from k31deploy.memory import GB, GIB, Options, annotate_plan, calc, constants, host_memory_need, server_memory
@@ -25,18 +26,6 @@ def server(plan: dict, role: str) -> dict:
 def memory(role: str = "unified", opts: Options | None = None, **knobs) -> dict:
     plan = resolve(knobs)
     return server_memory(plan, server(plan, role), opts)
-
-
-def cell_knobs(platform: str, role: str, strategy: str, cell: dict) -> dict:
-    knobs: dict = {"platform": platform}
-    if platform != "tpu7x":
-        knobs["max_running_requests"] = 64
-    if role == "unified":
-        knobs["unified_strategy"] = strategy
-    else:
-        knobs["topology"] = "pd"
-        knobs.update({"wide_ep": True} if cell.get("knob") else {f"{role}_strategy": strategy})
-    return knobs
 
 
 def sparse_checkpoint(root: Path, sizes: list[int]) -> Path:
