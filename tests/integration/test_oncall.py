@@ -36,26 +36,12 @@ NAME = f"oncall-{os.getpid()}"
 SHAPE = "mi355x-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
-# The k31 commands through their own register(), the same handlers the `k31` CLI dispatches to.
-RUNNER = """
-import argparse, sys
-from k31deploy.commands import ops, sandbox, status
-from k31deploy.errors import K31Error
-parser = argparse.ArgumentParser(prog="k31")
-sub = parser.add_subparsers(required=True)
-for module in (ops, sandbox, status):
-    module.register(sub)
-args = parser.parse_args(sys.argv[1:])
-try:
-    sys.exit(args.func(args))
-except K31Error as exc:
-    print(f"error: {exc}", file=sys.stderr)
-    sys.exit(2)
-"""
+# The real `k31` CLI.
+RUNNER = ["-m", "k31deploy.cli"]
 
 
 def k31(env, *args, timeout=600):
-    proc = subprocess.run([sys.executable, "-c", RUNNER, *args], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, *RUNNER, *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
     print(f"$ k31 {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
     return proc

@@ -21,19 +21,7 @@ HOSTS = ["prefill0", "decode0", "router0"]
 NAME = f"it{os.getpid()}"
 ANSIBLE = Path(sys.executable).parent / "ansible"
 # The `k31 sandbox` command through its own register(); the same handlers `k31` dispatches to.
-RUNNER = """
-import argparse, sys
-from k31deploy.commands import sandbox
-from k31deploy.errors import K31Error
-parser = argparse.ArgumentParser(prog="k31")
-sandbox.register(parser.add_subparsers(required=True))
-args = parser.parse_args(sys.argv[1:])
-try:
-    sys.exit(args.func(args))
-except K31Error as exc:
-    print(f"error: {exc}", file=sys.stderr)
-    sys.exit(2)
-"""
+RUNNER = ["-m", "k31deploy.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +31,7 @@ def env(tmp_path_factory):
 
 def k31(env, *args, timeout=600):
     return subprocess.run(
-        [sys.executable, "-c", RUNNER, "sandbox", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *RUNNER, "sandbox", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
