@@ -82,13 +82,26 @@ def model_mounts(plan: dict[str, Any]) -> list[str]:
     return [f"{p}:{p}:ro" for p in paths if isinstance(p, str) and p.startswith("/")]
 
 
-def endpoint(plan: dict[str, Any]) -> str:
-    """The OpenAI base URL clients use: the router or frontend, else the (first) unified server."""
+def endpoint_address(plan: dict[str, Any]) -> tuple[str, int]:
+    """(address, port) clients use: the router or Dynamo frontend, else the first unified server's rank 0."""
     router = plan.get("router")
     if router:
-        return f"http://{router['address']}:{router['port']}/v1"
-    server = plan["servers"][0]
-    return f"http://{server['ranks'][0]['address']}:{server['port']}/v1"
+        return router["address"], router["port"]
+    for server in plan["servers"]:
+        if server["role"] == "unified":
+            return server["ranks"][0]["address"], server["port"]
+    raise K31Error("the plan has neither a router nor a unified server to smoke; add a host to k31_router")
+
+
+def http_url(address: str, port: int) -> str:
+    """The OpenAI base URL of an address (IPv6 in brackets)."""
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}/v1"
+
+
+def endpoint(plan: dict[str, Any]) -> str:
+    """The OpenAI base URL clients use (see endpoint_address)."""
+    return http_url(*endpoint_address(plan))
 
 
 def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:

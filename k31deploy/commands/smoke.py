@@ -19,6 +19,7 @@ from typing import Any
 
 from k31deploy.commands.recipe import add_plan_args, plan_from_args
 from k31deploy.errors import K31Error
+from k31deploy.launch import endpoint_address, http_url
 from k31deploy.smoke import API_KEY_ENV, DEFAULT_TIMEOUT, read_api_key, report, run_smoke, validate
 
 SSH_TIMEOUT = 10.0
@@ -35,27 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_smoke)
 
 
-def endpoint(plan: dict[str, Any]) -> tuple[str, int]:
-    """(address, port) clients use: the router or Dynamo frontend, else the first unified server's rank 0."""
-    router = plan.get("router")
-    if router:
-        return router["address"], router["port"]
-    for server in plan["servers"]:
-        if server["role"] == "unified":
-            return server["ranks"][0]["address"], server["port"]
-    raise K31Error("the plan has neither a router nor a unified server to smoke; add a host to k31_router")
-
-
-def http_url(address: str, port: int) -> str:
-    host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{port}/v1"
-
-
 def cmd_smoke(args: argparse.Namespace) -> int:
     if not args.inventory:
         raise K31Error("k31 smoke needs -i INVENTORY: the deployed inventory names the router to check")
     plan = plan_from_args(args)
-    address, port = endpoint(plan)
+    address, port = endpoint_address(plan)
     key = read_api_key(args.api_key_file)
     target = http_url(address, port)
     validate(target, plan["model"], args.timeout)  # before a tunnel is opened for nothing

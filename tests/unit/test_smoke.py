@@ -15,6 +15,7 @@ import pytest
 
 from k31deploy.commands import smoke as smoke_cmd
 from k31deploy.errors import K31Error
+from k31deploy.launch import endpoint_address
 from k31deploy.smoke import API_KEY_ENV, CHECKS, MASK, CheckResult, main, read_api_key, run_smoke
 from k31deploy.standin.parser import parse_args
 from k31deploy.standin.server import Engine, EngineHandler, serve
@@ -272,7 +273,7 @@ def test_endpoint_is_the_router_else_the_first_unified_server_rank_0(tmp_path, m
     with pytest.raises(K31Error, match="needs -i INVENTORY"):
         k31(["smoke"])
     with pytest.raises(K31Error, match="neither a router nor a unified server"):
-        smoke_cmd.endpoint({"router": None, "servers": [{"role": "prefill"}]})
+        endpoint_address({"router": None, "servers": [{"role": "prefill"}]})
 
 
 @pytest.mark.parametrize(("detail", "hint"), [("Connection error. ConnectError: refused", True),
