@@ -61,6 +61,16 @@ def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str,
         raise AnsibleFilterError(f"error: {exc}") from None
 
 
+def k31_service_command(argv: list[str], runtime: str, unit: str, image: str | None, venv: str,
+                        container_cli: str = "docker", env_file: str | None = None) -> list[str]:
+    """Router, Dynamo frontend or Mooncake master command for the host's runtime (container or venv)."""
+    try:
+        return launch.service_command(argv, runtime, unit=unit, image=image, venv=venv,
+                                      container_cli=container_cli, env_file=env_file)
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
 def k31_metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Prometheus file_sd target groups by file name (engines, router or frontend)."""
     return launch.metrics_targets(plan)
@@ -91,4 +101,5 @@ class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
                 "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
-                "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file}
+                "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file,
+                "k31_service_command": k31_service_command}

@@ -118,3 +118,20 @@ def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
             files["k31-router"] = [{"targets": [f"{router['address']}:{port}"],
                                     "labels": {"k31_router": router["kind"]}}]
     return files
+
+
+def service_command(argv: list[str], runtime: str, *, unit: str, image: str | None, venv: str,
+                    container_cli: str = "docker", env_file: str | None = None) -> list[str]:
+    """The router, Dynamo frontend or Mooncake master command for the host's runtime: the serving
+    image with host networking, or the same program from a venv (a Python module through the venv's
+    interpreter, a binary from the venv's bin/)."""
+    if runtime == "venv":
+        if argv[:2] == ["python3", "-m"]:
+            return [f"{venv}/bin/python3", *argv[1:]]
+        return [f"{venv}/bin/{argv[0]}", *argv[1:]]
+    if runtime != "container":
+        raise K31Error(f"{unit}: runtime {runtime} is not valid; valid choices: container, venv")
+    if not image or image.startswith("<"):
+        raise K31Error(f"image is {image}: set k31_image to the serving image before a deploy")
+    env = ["--env-file", env_file] if env_file else []
+    return [container_cli, "run", "--rm", "--name", unit, "--network=host", *env, image, *argv]

@@ -114,3 +114,24 @@ def test_bundle_is_reproducible_and_has_no_bytecode(tmp_path: Path):
         assert "k31deploy/recipe/resolver.py" not in names      # nodes get only what they run
         assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
         assert {m.mtime for m in tar.getmembers()} == {0}
+
+
+def test_service_command_per_runtime():
+    pd = resolve(MI_PD)
+    router = pd["router"]["argv"]
+    assert launch.service_command(router, "venv", unit="k31-router", image=None, venv="/opt/k31/router") == [
+        "/opt/k31/router/bin/python3", *router[1:]]
+    seed = resolve({"platform": "gb300", "topology": "pd", "router": "sglang", "speculative": "none"})["router"]
+    seed_cmd = launch.service_command(seed["argv"], "venv", unit="k31-router", image=None, venv="/v")
+    assert seed_cmd == ["/v/bin/sgl-router", *seed["argv"][1:]]
+    master = ["mooncake_master", "--rpc_port=50051"]
+    assert launch.service_command(master, "venv", unit="m", image=None, venv="/opt/mc") == [
+        "/opt/mc/bin/mooncake_master", "--rpc_port=50051"]
+    cmd = launch.service_command(router, "container", unit="k31-router", image="reg/k31:rocm10", venv="/v",
+                                 container_cli="podman", env_file="/etc/k31/k31-router.env")
+    assert cmd[:7] == ["podman", "run", "--rm", "--name", "k31-router", "--network=host", "--env-file"]
+    assert cmd[cmd.index("reg/k31:rocm10") + 1:] == router
+    with pytest.raises(K31Error, match="image is <K31_MI35X_IMAGE>"):
+        launch.service_command(router, "container", unit="k31-router", image="<K31_MI35X_IMAGE>", venv="/v")
+    with pytest.raises(K31Error, match="runtime vm is not valid; valid choices: container, venv"):
+        launch.service_command(router, "vm", unit="k31-router", image=None, venv="/v")
