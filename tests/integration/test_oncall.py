@@ -76,13 +76,18 @@ def unit(host, name):
 
 
 def wait_for(what, check, timeout=90.0, interval=0.5):
+    """Poll until check() is truthy; a server that is not listening yet is "not yet", not a failure."""
     deadline = time.monotonic() + timeout
+    last_error = None
     while time.monotonic() < deadline:
-        value = check()
+        try:
+            value = check()
+        except httpx.TransportError as exc:  # restarting: the port is closed for a moment
+            value, last_error = None, exc
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last_error})")
 
 
 class Cluster:
