@@ -1,4 +1,6 @@
-"""The molecule scenarios on the sandbox: create, converge, idempotence (zero changes), verify, destroy.
+"""The molecule scenarios on the sandbox: create, check (a dry run on fresh hosts that must write
+nothing), converge, idempotence (zero changes), verify, destroy; b300-l3 adds a dry run after deploy
+that must predict zero changes.
 
 Each verify asserts real behaviour: units and env files match the plan, engines run exactly the
 planned flags, requests go through the real router / Dynamo frontend (molecule/*/verify.yml).
@@ -7,6 +9,7 @@ planned flags, requests go through the real router / Dynamo frontend (molecule/*
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,9 +27,23 @@ def test_scenario(scenario):
     assert molecule, "molecule is not installed (pip install -e '.[test]')"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "ANSIBLE_FORCE_COLOR": "0", "PY_COLORS": "0", "NO_COLOR": "1"}
-    done = subprocess.run([molecule, "test", "-s", scenario], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200, check=False)
-    output = done.stdout + done.stderr
+    # One stream, so molecule's step lines (its log) stay in order with the playbooks' recaps.
+    done = subprocess.run([molecule, "test", "-s", scenario], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1200, check=False)
+    output = done.stdout
     assert done.returncode == 0, f"molecule test -s {scenario} failed:\n{output[-6000:]}"
-    for step in ("converge", "idempotence", "verify"):
+    for step in ("check", "side_effect", "converge", "idempotence", "verify"):
         assert f"{step}: Executed: Successful" in output, f"{step} did not run:\n{output[-3000:]}"
+    checks = check_recaps(output)
+    # The first dry run is on fresh hosts (side_effect proved it wrote nothing); b300-l3 runs a
+    # second one on the deployed cluster, which must predict no change.
+    fresh = {host: n for host, n in (checks or [{}])[0].items() if host != "localhost"}
+    assert fresh and all(fresh.values()), f"a dry run on fresh hosts must predict changes on every node: {checks}"
+    if scenario == "b300-l3":
+        assert len(checks) == 2 and not any(checks[1].values()), f"--check after deploy predicted changes: {checks}"
+
+
+def check_recaps(output: str) -> list[dict[str, int]]:
+    """Per molecule `check` step, the changed= count of every host in its PLAY RECAP."""
+    steps = re.findall(r"> check\] Executing$(.*?)> check\] Executed", output, flags=re.S | re.M)
+    return [{host: int(n) for host, n in re.findall(r"(\S+)\s+: ok=\d+\s+changed=(\d+)", step)} for step in steps]
