@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from recaps import changed
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -46,4 +47,4 @@ def test_scenario(scenario):
 def check_recaps(output: str) -> list[dict[str, int]]:
     """Per molecule `check` step, the changed= count of every host in its PLAY RECAP."""
     steps = re.findall(r"> check\] Executing$(.*?)> check\] Executed", output, flags=re.S | re.M)
-    return [{host: int(n) for host, n in re.findall(r"(\S+)\s+: ok=\d+\s+changed=(\d+)", step)} for step in steps]
+    return [changed(step) for step in steps]

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from recaps import changed
 
 from k31deploy import wheelhouse
 
@@ -343,7 +344,5 @@ def test_e_status_logs_and_teardown(cluster, tmp_path):
         assert sh(host, "ls /etc/k31 | grep -v '^prometheus$' || true").split() == [], host
     assert "k31-ssh-host-keys.service" in sh("decode0", units)
     proc = playbook(cluster.env, cluster.inventory, "playbooks/teardown.yml", "-e", "k31_teardown_confirm=true")
-    assert proc.returncode == 0 and "changed=" in proc.stdout
-    assert all(int(c) == 0 for c in
-               [part.split("=")[1] for line in proc.stdout.splitlines() if "ok=" in line
-                for part in line.split() if part.startswith("changed=")])
+    assert proc.returncode == 0 and changed(proc.stdout)
+    assert not any(changed(proc.stdout).values()), changed(proc.stdout)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import recaps
 import yaml
 
 pytestmark = pytest.mark.integration
@@ -30,8 +31,6 @@ EXTRA = {
     "k31_model_poll": 1,
 }
 K31 = [sys.executable, "-m", "k31deploy.cli"]
-RECAP = re.compile(r"^(?P<host>[\w.-]+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unr>\d+)"
-                   r"\s+failed=(?P<failed>\d+)", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +69,8 @@ def playbook(env, inv, name, *args):
     proc = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(inv), f"playbooks/{name}",
                            "-e", json.dumps(EXTRA), *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
-    recap = {m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unr", "failed")}
-             for m in RECAP.finditer(proc.stdout)}
     print(f"{name} {' '.join(args)}: {time.monotonic() - t0:.1f} s")
-    return proc, recap
+    return proc, recaps.recap(proc.stdout)
 
 
 def files(env, inv, path):
@@ -91,7 +88,7 @@ def test_prepare_converges_idempotent_and_check_mode(env, inventory):
     first, recap = playbook(env, inventory, "prepare.yml")
     assert first.returncode == 0, first.stdout[-4000:]
     assert set(recap) >= {*TRAYS, "router0"}
-    assert all(r["failed"] == 0 and r["unr"] == 0 for r in recap.values())
+    assert all(r["failed"] == 0 and r["unreachable"] == 0 for r in recap.values())
     assert all(recap[h]["changed"] > 0 for h in TRAYS)                  # model, env and IMEX files written
     out = " ".join(first.stdout.replace("''", "'").split())          # the YAML callback folds long messages
     # Hardware steps skipped, each with its reason.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from recaps import recap
 
 from k31deploy.runner import PlainView, RunRequest, run
 
@@ -30,8 +30,6 @@ PLAYBOOKS = Path(__file__).parent / "playbooks"
 BIN = Path(sys.executable).parent
 VALIDATE_TASK = "Refuse an invalid setup before any host is touched"
 SLEEP = [b"sleep", b"31.5"]  # slow.yml's task, recognisable among the machine's processes
-RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)\s+"
-                   r"rescued=(\d+)\s+ignored=(\d+)", re.M)
 
 
 def single_node_inventory(extra: str = "") -> str:
@@ -71,11 +69,6 @@ def runs(state: Path) -> list[Path]:
 
 def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def recap(output: str) -> dict[str, dict[str, int]]:
-    keys = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
-    return {m[0]: dict(zip(keys, map(int, m[1:]), strict=True)) for m in RECAP.findall(output)}
 
 
 def result_after(output: str, task: str) -> dict:
