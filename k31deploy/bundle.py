@@ -16,9 +16,10 @@ import tarfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
-# What nodes run: the stand-in engine (and its Dynamo variant), the tiny model writer, and the flag
-# registry the stand-in parses with. Nothing else of the package goes to a node.
-NODE_PARTS = ("__init__.py", "standin", "tinymodel.py", "data/flags.yaml")
+# What nodes run: the stand-in engine (and its Dynamo variant), the tiny model writer, and what the
+# stand-in parses with (the engine CLI dumps and flags.yaml's branch values; not the lane's records).
+# Nothing else of the package goes to a node.
+NODE_PARTS = ("__init__.py", "standin", "tinymodel.py", "data/flags.yaml", "data/engine")
 
 
 def _files() -> list[Path]:
@@ -26,7 +27,8 @@ def _files() -> list[Path]:
     for part in NODE_PARTS:
         path = PACKAGE / part
         found += [p for p in (path.rglob("*") if path.is_dir() else [path])
-                  if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")]
+                  if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")
+                  and not p.name.endswith(".lane.json")]
     return sorted(found)
 
 

@@ -7,9 +7,11 @@ import json
 import shlex
 from typing import Any
 
+from k31deploy.engine import lane
 from k31deploy.recipe import catalog, iter_cells, knob_specs, layout_text, parse_sets, resolve
 from k31deploy.recipe.catalog import STRATEGY_KNOB
 from k31deploy.recipe.knobs import coerce
+from k31deploy.recipe.resolver import cell_digest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -88,8 +90,25 @@ def render_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def engine_verdict(plat: str, role: str, strategy: str) -> tuple[str, dict[str, Any]]:
+    """The engine lane's verdict on a cell, as the catalog's column shows it (and the row's JSON)."""
+    reference = catalog()["engine_builds"][default_build()]["reference"]
+    verdict = lane.cell_verdict(reference, plat, role, strategy, cell_digest(plat, role, strategy))
+    text = verdict["result"]
+    if text == "refused":
+        feature = next((name for name, f in catalog()["branch_features"].items()
+                        if " ".join(f["refusal"].split()) == verdict["message"]), None)
+        text = f"refused: {feature} (branch-only)" if feature else f"refused: {verdict['message'][:70]}"
+    return text, verdict
+
+
+def default_build() -> str:
+    return next(name for name, b in catalog()["engine_builds"].items() if b.get("default"))
+
+
 def catalog_rows(platform: str | None = None) -> list[dict[str, Any]]:
     cat = catalog()
+    reference = cat["engine_builds"][default_build()]["reference"]
     rows = []
     for plat, role, strategy, cell in iter_cells():
         if platform and plat != platform:
@@ -104,6 +123,8 @@ def catalog_rows(platform: str | None = None) -> list[dict[str, Any]]:
             "nodes": max(1, gpus // per_node), "gpus": gpus,
             "verification": cell["verification"], "default": bool(cell.get("default")),
         })
+        rows[-1]["engine"], rows[-1]["engine_check"] = engine_verdict(plat, role, strategy)
+        rows[-1]["engine_check"]["build"] = reference
     return rows
 
 
@@ -119,14 +140,18 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    head = ("platform", "role", "strategy", "layout", "nodes", "gpus", "verification")
-    table = [head] + [tuple(str(r[h]) + ("*" if h == "strategy" and r["default"] else "") for h in head)
-                      for r in rows]
+    head = ("platform", "role", "strategy", "layout", "nodes", "gpus", "verification", "engine")
+    table = [(*head[:-1], f"SGLang {rows[0]['engine_check']['build'].removeprefix('sglang-')}")] + [
+        tuple(str(r[h]) + ("*" if h == "strategy" and r["default"] else "") for h in head) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     images = (f"{name} image {fam['image'] or 'none (source checkout)'}" for name, fam in catalog()["families"].items())
     print("\n* default strategy for the role; families: " + ", ".join(images))
+    record = lane.record(rows[0]["engine_check"]["build"])
+    if record:
+        print(f"SGLang column: the engine lane's verdict on each cell's command ({record['machine'].get('gpu')}, "
+              f"{record['date']}); branch-only: needs the recipe's kimi-k31-pro branch (`k31 plan` warns)")
     return 0
 
 

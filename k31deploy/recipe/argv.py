@@ -30,7 +30,10 @@ class EngineArgv:
         ranks = []
         for rank, host in enumerate(s.hosts):
             argv = self.argv(s, rank, port)
-            self.r.emit_check("tpu" if self.r.tpu else "engine", argv[len(self.launcher()):])
+            if self.r.tpu:
+                self.r.emit_check("tpu", argv[len(self.launcher()):])
+            elif rank == 0:    # ranks differ only in --node-rank
+                self.r.engine_check(s.name, argv[len(self.launcher()):])
             ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
                           "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port)})
         return {
@@ -66,18 +69,20 @@ class EngineArgv:
         }
         if r.router != "dynamo":    # a dynamo.sglang worker serves no HTTP; the frontend does
             flags.update({"--host": "0.0.0.0", "--port": port})
+        flags["--tp-size"] = lay["tp"]
+        if lay["dp"] > 1:    # attention DP, spelled as the engine build spells it
+            flags.update({flag: lay["dp"] if value == "dp" else value
+                          for flag, value in r.build_cfg["attention_dp_flags"].items()})
         flags.update({
-            "--tp-size": lay["tp"],
-            "--dp-size": lay["dp"] if lay["dp"] > 1 else None,
-            "--enable-dp-attention": lay["dp"] > 1,
             "--pp-size": lay["pp"] if lay["pp"] > 1 else None,
             # MegaMoE sets EP itself (EP = TP); TRT-LLM takes the cell's EP.
             "--ep-size": lay["ep"] if lay["ep"] > 1 and s.moe_runner != "megamoe" else None,
             "--dcp-size": lay["dcp"] if lay["dcp"] > 1 else None,
             "--dcp-comm-backend": k("dcp_comm_backend", s.cell.get("dcp_comm_backend")) if lay["dcp"] > 1 else None,
-            "--enable-prefill-cp": lay["pcp"] > 1,
-            "--attn-cp-size": lay["pcp"] if lay["pcp"] > 1 else None,
         })
+        if lay["pcp"] > 1:
+            flags.update(cat["prefill_cp"]["flags"])
+            flags[cat["prefill_cp"]["size_flag"]] = lay["pcp"]
         if lay["pp"] > 1:
             flags.update(cat["pp"]["flags"])
         if lay["nnodes"] > 1:
@@ -144,6 +149,8 @@ class EngineArgv:
         flags.update(dflash["family"].get(self.r.family_name, {}).get("flags", {}))
         if s.role in dflash["replayssm_roles"]:
             flags[dflash["replayssm_flag"]] = True
+        if s.layout["dp"] > 1:
+            flags.update(dflash["attention_dp"]["flags"])
 
     def _hicache(self, s: Server, flags: dict[str, Any]) -> None:
         hc, k = self.cat["hicache"], self.r.knob
@@ -158,8 +165,7 @@ class EngineArgv:
                 flags["--hicache-write-policy"] = k("hicache_write_policy")
             if s.kv_offload == "mooncake":
                 flags.update(hc["mooncake"]["flags"])
-        radix = k("decode_radix_cache", s.hicache)
-        if s.role == "decode" and radix:
+        if s.decode_radix:
             flags[hc["decode_radix_flag"]] = True
 
     def env(self, s: Server, port: int) -> dict[str, str]:
@@ -180,6 +186,8 @@ class EngineArgv:
                 env.update(hc["env"])
         elif s.hicache and "hicache_mamba_host_ratio" in r.k:
             env[cat["hicache"]["rocm"]["mamba_host_ratio_env"]] = r.k["hicache_mamba_host_ratio"]
+        if s.speculative and s.layout["dp"] > 1:
+            env.update(cat["speculative"]["dflash"]["attention_dp"]["env"])
         if s.moe_runner == "megamoe":
             mega = cat["moe_runners"]["megamoe"]
             env[mega["token_cap_env"]] = r.knob("megamoe_token_cap", mega["token_cap"][s.role])

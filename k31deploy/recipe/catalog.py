@@ -57,3 +57,18 @@ def iter_cells():
         for role, cells in roles.items():
             for strategy, cell in cells.items():
                 yield platform, role, strategy, cell
+
+
+def cell_knobs(platform: str, role: str, strategy: str, cell: dict[str, Any]) -> dict[str, Any]:
+    """The knobs that select one catalog cell as its canonical plan: a PD cell with the other role's
+    default, and an explicit --max-running-requests (DFLASH and MegaMoE need one; 64 is the seed's
+    MI355X figure at 56 agents)."""
+    knobs: dict[str, Any] = {"platform": platform}
+    if platform != "tpu7x":
+        knobs["max_running_requests"] = 64
+    if role == "unified":
+        knobs["unified_strategy"] = strategy
+    else:
+        knobs["topology"] = "pd"
+        knobs.update({cell["knob"]: True} if cell.get("knob") else {STRATEGY_KNOB[role]: strategy})
+    return knobs

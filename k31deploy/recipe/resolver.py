@@ -7,11 +7,23 @@ K31Error with one sentence naming the setting and the valid choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
+from k31deploy.engine import cli as engine_cli
+from k31deploy.engine import lane
 from k31deploy.errors import K31Error
 from k31deploy.recipe import hosts as hostlib
-from k31deploy.recipe.catalog import ROLES, STRATEGY_KNOB, catalog, flag_registry, offered, platform_cells
+from k31deploy.recipe.catalog import (
+    ROLES,
+    STRATEGY_KNOB,
+    catalog,
+    cell_knobs,
+    flag_registry,
+    knob_specs,
+    offered,
+    platform_cells,
+)
 from k31deploy.recipe.hosts import Host
 from k31deploy.recipe.knobs import normalise
 
@@ -38,6 +50,7 @@ class Server:
     monokernel: bool = False
     max_running_requests: int | None = None
     cuda_graph_max_bs_decode: int | None = None
+    decode_radix: bool = False
 
     @property
     def flat_tp(self) -> bool:
@@ -49,9 +62,12 @@ class Server:
 
 
 def resolve(knobs: dict[str, Any] | None = None, hosts: list[Host] | None = None, *,
-            require_image: bool = False) -> dict[str, Any]:
-    """Resolve knobs (typed or strings) and an optional host layout into a plan (JSON contract)."""
-    return _Resolver(knobs or {}, hosts, require_image).run()
+            require_image: bool = False, engine_check: bool = True) -> dict[str, Any]:
+    """Resolve knobs (typed or strings) and an optional host layout into a plan (JSON contract).
+
+    engine_check=False leaves out the engine lane's verdicts (what the lane's own case list uses).
+    """
+    return _Resolver(knobs or {}, hosts, require_image, engine_check=engine_check).run()
 
 
 def layout_text(layout: dict[str, int]) -> str:
@@ -61,8 +77,10 @@ def layout_text(layout: dict[str, int]) -> str:
 
 
 class _Resolver:
-    def __init__(self, knobs: dict[str, Any], hosts: list[Host] | None, require_image: bool):
+    def __init__(self, knobs: dict[str, Any], hosts: list[Host] | None, require_image: bool, *,
+                 engine_check: bool = True):
         self.cat = catalog()
+        self.with_lane = engine_check
         self.inventory = hosts
         inv_knobs = hostlib.inventory_knobs(hosts) if hosts is not None else {}
         self.k = {**normalise(inv_knobs, "inventory"), **normalise(knobs, "settings")}
@@ -87,6 +105,7 @@ class _Resolver:
     # -- pipeline --------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self._platform()
+        self._engine_build()
         self._agents()
         self._topology()
         self._cells()
@@ -98,6 +117,7 @@ class _Resolver:
         self._moe_checks()
         self._concurrency()
         self._other_checks()
+        self._branch_features()
         self._cell_warnings()
         return self._plan()
 
@@ -120,6 +140,13 @@ class _Resolver:
                     f"{engine_knobs[0]} does not apply to tpu7x: the TPU launcher takes "
                     f"recipe/configs/kimi_k3_1/server.py (seed 3.4); valid knobs there: platform, image, router"
                 )
+
+    def _engine_build(self) -> None:
+        """Which SGLang build the image carries: the recipe's branch, or a release k31 has a dump of."""
+        builds = self.cat["engine_builds"]
+        self.build = self.knob("engine_build", next(n for n, b in builds.items() if b.get("default")))
+        self.build_cfg = builds[self.build]
+        self.branch_only: list[dict[str, str]] = []
 
     def _agents(self) -> None:
         """seed AMD: pick the recipe by agent count (MI350X / MI355X only)."""
@@ -323,6 +350,8 @@ class _Resolver:
                 s.kv_offload = explicit or "none"
             if s.kv_offload == "mooncake" and s.role == "decode":
                 s.kv_offload = "none"    # field notes §3: in PD the store's HiCache flags go on the prefill
+        for s in self.servers:   # seed: on a PD decode server HiCache also turns on the decode radix cache
+            s.decode_radix = s.role == "decode" and bool(self.knob("decode_radix_cache", s.hicache))
         any_hicache = any(s.hicache for s in self.servers)
         for knob in ("hicache_write_policy", "hicache_ratio", "hicache_mamba_host_ratio"):
             self.refuse_unless(any_hicache, knob, "needs kv_offload=hicache or mooncake on some server")
@@ -450,6 +479,28 @@ class _Resolver:
                 f"(e.g. 24,24,24,21 as the seed keeps)"
             )
 
+    def _branch_features(self) -> None:
+        """Recipe features only the kimi-k31-pro branch runs: refused on a release, a warning on the branch."""
+        for name, feature in self.cat["branch_features"].items():
+            for s in self.servers:
+                facts = {"hicache": s.hicache, "dcp": s.layout["dcp"] > 1, "speculative": s.speculative,
+                         "monokernel": s.monokernel, "decode_radix": s.decode_radix}
+                if not all(facts[k] == v for k, v in feature["when"].items()):
+                    continue
+                refusal = " ".join(feature["refusal"].split())
+                if not self.build_cfg.get("branch"):
+                    raise K31Error(
+                        f"engine_build={self.build} cannot start {s.name}: it refuses {name} at start-up "
+                        f"({refusal}, {feature['upstream']}); the recipe runs it on its kimi-k31-pro branch; "
+                        f"valid: {feature['valid']}"
+                    )
+                self.branch_only.append({"server": s.name, "feature": name, "refusal": refusal,
+                                         "plugin": feature.get("plugin")})
+                self.warn(f"{s.name}: {name} runs only on the recipe's kimi-k31-pro branch"
+                          + (f" (plugin {feature['plugin']} in the image)" if feature.get("plugin") else "")
+                          + f"; SGLang {self.cat['engine_builds'][self.build_cfg['reference']]['version']} "
+                          f"refuses it ({refusal}); the recipe: \"{feature['recipe']}\"")
+
     def _cell_warnings(self) -> None:
         measured = self.cat["measured"]
         for s in self.servers:
@@ -488,6 +539,7 @@ class _Resolver:
             "platform": self.platform,
             "topology": self.topology,
             "image": image,
+            "engine": self._engine_section(),
             "container_flags": self._container_flags(),
             "knobs": self._resolved_knobs(),
             "servers": servers,
@@ -495,11 +547,25 @@ class _Resolver:
             "mooncake_master": engine.mooncake_master(),
             "warnings": self.warnings,
         }
+        if self.with_lane:
+            for text in lane.annotate(plan, self.pinfo, self.family, self.build_cfg["reference"],
+                                      self._base_digest):
+                self.warn(text)
         # Imported here: the memory model reads plans, and importing it at the top is a cycle.
         from k31deploy.memory import Options, annotate_plan
 
         annotate_plan(plan, Options(weights_gb_per_gpu=self.k.get("weights_gb_per_gpu")))
         return plan
+
+    def _engine_section(self) -> dict[str, Any]:
+        cfg = self.build_cfg
+        return {"build": self.build, "branch": bool(cfg.get("branch")), "reference": cfg["reference"],
+                "plugins": sorted({b["plugin"] for b in self.branch_only if b["plugin"]}),
+                "branch_only": self.branch_only}
+
+    def _base_digest(self, role: str, strategy: str) -> str | None:
+        """Today's digest of a catalog cell's server (default knobs), to tell a stale lane record."""
+        return cell_digest(self.platform, role, strategy)
 
     def _container_flags(self) -> list[str]:
         """The family's device, IPC, shm, memlock and RDMA flags; NVL72 adds the IMEX channel."""
@@ -520,8 +586,53 @@ class _Resolver:
         return out
 
     def emit_check(self, section: str, argv: list[str]) -> None:
-        """Every flag k31 emits must be in data/flags.yaml (and so known to the stand-in)."""
+        """Every flag k31 emits must be in data/flags.yaml (and so traced to the seed or upstream)."""
         known = flag_registry()[section]
         for token in argv:
             if token.startswith("--") and token.split("=", 1)[0] not in known:
                 raise AssertionError(f"flag {token} is not registered in data/flags.yaml [{section}]")
+
+    def engine_check(self, server: str, argv: list[str]) -> None:
+        """An engine command against the build's own parser (the machine dump of its CLI).
+
+        A release refuses what its parser refuses, in argparse's words. On the branch, the branch-only
+        values of flags.yaml pass with a warning; anything else its reference release refuses is a k31 bug.
+        """
+        self.emit_check("engine", argv)
+        branch_values = {flag: spec.get("branch_choices", {}) for flag, spec in flag_registry()["engine"].items()}
+        reference = self.build_cfg["reference"]
+        version = self.cat["engine_builds"][reference]["version"]
+        for refusal in engine_cli.check(reference, argv):
+            setting = branch_values.get(refusal.flag, {}).get(refusal.value)
+            if setting is None:
+                if self.build_cfg.get("branch"):
+                    raise AssertionError(f"{server}: SGLang {version} refuses k31's {refusal.message}")
+                raise K31Error(f"engine_build={self.build} refuses {server}'s command: {refusal.message}")
+            knob = setting.partition("=")[0]
+            if any(b["server"] == server and b["feature"] == setting for b in self.branch_only):
+                continue    # one setting may emit several branch-only values (both DSA backends)
+            if not self.build_cfg.get("branch"):
+                others = [c for c in knob_specs()[knob]["choices"]
+                          if f"{knob}={c}" not in {v for b in branch_values.values() for v in b.values()}]
+                raise K31Error(
+                    f"{setting} is not accepted by engine_build={self.build}: {refusal.message}; valid: "
+                    f"{knob}={'|'.join(map(str, others))}, or engine_build=kimi-k31-pro (the recipe's branch)"
+                )
+            self.branch_only.append({"server": server, "feature": setting, "refusal": refusal.message,
+                                     "flag": refusal.flag, "plugin": None})
+            self.warn(f"{server}: {setting} ({refusal.flag} {refusal.value}) needs the recipe's kimi-k31-pro "
+                      f"branch; SGLang {version} refuses it ({_core(refusal.message)})")
+
+
+def _core(message: str) -> str:
+    return message.split(" (choose from")[0]
+
+
+@cache
+def cell_digest(platform: str, role: str, strategy: str) -> str | None:
+    """The lane digest of a catalog cell's server as k31 plans it today (its canonical knobs)."""
+    cell = platform_cells(platform)[role][strategy]
+    plan = _Resolver(cell_knobs(platform, role, strategy, cell), None, False, engine_check=False).run()
+    found = [s for s in plan["servers"] if s["role"] == role]
+    info = catalog()["platforms"][platform]
+    return lane.server_digest(plan, found[0], info, catalog()["families"][info["family"]]) if found else None

@@ -1,43 +1,40 @@
-"""The stand-in's command line, built from the `engine` section of k31deploy/data/flags.yaml.
+"""The stand-in's command line: real SGLang's, from the machine dumps of its parser.
 
-The same list bounds what the resolver may emit, so a flag k31 emits but the list lacks (or a bad
-value) fails here with argparse's exit 2, as `sglang.launch_server` would fail on a real node.
+Every flag, alias, value type, choice list, nargs and default comes from k31deploy/data/engine/*.cli.json
+(scripts/upstream-cli's dump of `ServerArgs.add_cli_args`), plus the values only the recipe's kimi-k31-pro
+branch has (`branch_choices` in data/flags.yaml). So a flag or value real SGLang refuses fails here with
+argparse's exit 2, as `sglang.launch_server` would fail on a real node.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from importlib import resources
 from typing import Any
 
-# Defaults of upstream server_args.py for the flags the stand-in reads; flags.yaml holds no defaults.
-DEFAULTS: dict[str, Any] = {
-    "--host": "127.0.0.1",
-    "--port": 30000,
-    "--tp-size": 1,
-    "--dp-size": 1,
-    "--pp-size": 1,
-    "--ep-size": 1,
-    "--dcp-size": 1,
-    "--attn-cp-size": 1,
-    "--nnodes": 1,
-    "--node-rank": 0,
-    "--disaggregation-mode": "null",
-    "--disaggregation-transfer-backend": "mooncake",
-    "--disaggregation-bootstrap-port": 8998,
-}
-
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": int, "float": float}
 
 
 def load_engine_flags() -> dict[str, dict[str, Any]]:
-    """The `engine` section of flags.yaml: flag -> {type, choices?, source, ...}."""
+    """Long flag -> the dump's spec (kind, choices, nargs, aliases, default), every known build merged,
+    with the branch-only values of flags.yaml added to their flag's choices."""
     try:
         import yaml
     except ImportError as exc:  # nodes get it from Debian's python3-yaml, not from a wheel
         raise SystemExit("k31 stand-in: PyYAML is required (Debian package python3-yaml)") from exc
-    text = resources.files("k31deploy").joinpath("data/flags.yaml").read_text(encoding="utf-8")
-    return yaml.safe_load(text)["engine"]
+    data = resources.files("k31deploy").joinpath("data")
+    flags: dict[str, dict[str, Any]] = {}
+    for dump in sorted(data.joinpath("engine").iterdir(), key=lambda p: p.name):
+        if dump.name.endswith(".cli.json"):
+            for flag, spec in json.loads(dump.read_text(encoding="utf-8"))["flags"].items():
+                flags.setdefault(flag, dict(spec))
+    branch = yaml.safe_load(data.joinpath("flags.yaml").read_text(encoding="utf-8"))["engine"]
+    for flag, entry in branch.items():
+        extra = list(entry.get("branch_choices", {}))
+        if extra:
+            flags[flag] = dict(flags[flag], choices=[*flags[flag]["choices"], *extra])
+    return flags
 
 
 def build_parser(flags: dict[str, dict[str, Any]] | None = None) -> argparse.ArgumentParser:
@@ -49,20 +46,19 @@ def build_parser(flags: dict[str, dict[str, Any]] | None = None) -> argparse.Arg
         allow_abbrev=False,
     )
     for flag, spec in flags.items():
-        kind = spec["type"]
-        kwargs: dict[str, Any] = {"default": DEFAULTS.get(flag)}
-        if kind == "bool":
-            kwargs = {"action": "store_true"}
-        elif kind == "choice":
-            kwargs["choices"] = list(spec["choices"])
-        elif kind in _TYPES:
-            kwargs["type"] = _TYPES[kind]
+        kwargs: dict[str, Any] = {"dest": spec["dest"]}
+        if spec["kind"] == "bool":
+            kwargs.update(action="store_true")
         else:
-            raise ValueError(f"flags.yaml engine flag {flag} has type {kind!r}; the stand-in knows "
-                             f"bool, choice, {', '.join(_TYPES)}")
+            # SGLang's own value parsers (json lists, backend specs ...) take strings; choices still apply.
+            kwargs.update(type=_TYPES.get(spec["kind"], str), default=spec["default"])
+            if spec["nargs"] is not None:
+                kwargs["nargs"] = spec["nargs"]
+            if spec["choices"] is not None:
+                kwargs["choices"] = spec["choices"] if spec["kind"] in _TYPES else [str(c) for c in spec["choices"]]
         if flag == "--model-path":
             kwargs["required"] = True
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(flag, *spec["aliases"], **kwargs)
     return parser
 
 
@@ -70,4 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.served_model_name is None:
         args.served_model_name = args.model_path
+    # SGLang 0.5.23 resolves the deprecated `--dp-size N --enable-dp-attention` to `--attn-dp-size N`.
+    if args.enable_dp_attention and args.attn_dp_size == 1:
+        args.attn_dp_size, args.dp_size = args.dp_size, 1
     return args

@@ -37,7 +37,7 @@ class HTTPError(Exception):
 def layout_name(args: argparse.Namespace) -> str:
     parts = [f"TP{args.tp_size}"]
     for name, size in (("DCP", args.dcp_size), ("PP", args.pp_size), ("EP", args.ep_size),
-                       ("DP", args.dp_size), ("PCP", args.attn_cp_size)):
+                       ("DP", args.attn_dp_size), ("PCP", args.attn_cp_size)):
         if size > 1:
             parts.append(f"{name}{size}")
     text = "·".join(parts)
@@ -124,7 +124,7 @@ class Engine:
         with self._lock:
             busy = {"num_reqs": self.running_reqs, "num_waiting_reqs": 0, "num_tokens": self.running_tokens}
         idle = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
-        return [{"dp_rank": r, **(busy if r == 0 else idle)} for r in range(self.args.dp_size)]
+        return [{"dp_rank": r, **(busy if r == 0 else idle)} for r in range(self.args.attn_dp_size)]
 
     def metrics(self) -> str:
         label = f'{{model_name="{self.args.served_model_name}"}}'

@@ -8,6 +8,7 @@ import pytest
 
 from k31deploy.errors import K31Error
 from k31deploy.recipe import resolve
+from k31deploy.recipe.catalog import cell_knobs  # noqa: F401 - the tests' name for a cell's knobs
 
 
 def plan(**knobs: Any) -> dict[str, Any]:
@@ -42,16 +43,3 @@ def refused(match: str, **knobs: Any) -> str:
     message = str(info.value)
     assert "\n" not in message
     return message
-
-
-def cell_knobs(platform: str, role: str, strategy: str, cell: dict) -> dict:
-    """The knobs that select one catalog cell (a PD cell with the other role's default)."""
-    knobs: dict = {"platform": platform}
-    if platform != "tpu7x":
-        knobs["max_running_requests"] = 64
-    if role == "unified":
-        knobs["unified_strategy"] = strategy
-    else:
-        knobs["topology"] = "pd"
-        knobs.update({"wide_ep": True} if cell.get("knob") else {f"{role}_strategy": strategy})
-    return knobs

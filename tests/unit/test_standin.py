@@ -1,4 +1,4 @@
-"""The CPU stand-in engine: its parser (from flags.yaml), its replies, and its HTTP surface served
+"""The CPU stand-in engine: its parser (real SGLang's, from the CLI dump), its replies, and its HTTP surface served
 in-process on 127.0.0.1 (ephemeral ports, no subprocesses)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from k31deploy.recipe import flag_registry
 from k31deploy.standin import replies
 from k31deploy.standin.parser import build_parser, load_engine_flags, parse_args
 from k31deploy.standin.server import (
@@ -47,20 +48,35 @@ def chat(content: str = "What is 15% of 240?", **extra) -> dict:
 # -- parser -------------------------------------------------------------------------------------
 
 
-def sample(spec: dict) -> list[str]:
-    values = {"bool": [], "int": ["8"], "float": ["2.5"], "str": ["x"]}
-    return values[spec["type"]] if spec["type"] in values else [spec["choices"][-1]]
-
-
-def test_parser_takes_every_engine_flag_of_flags_yaml_with_its_type():
+def test_parser_takes_every_flag_k31_emits_as_real_sglang_types_it():
+    """The stand-in's parser is real SGLang's (the CLI dump): each flag k31 may emit, with a value of the
+    dump's type, parses to that value; aliases and branch-only values parse too."""
     flags = load_engine_flags()
-    argv = [tok for flag, spec in flags.items() for tok in (flag, *sample(spec))]
+    emitted = flag_registry()["engine"]
+    samples = {"int": ("8", 8), "float": ("2.5", 2.5)}
+    argv, expected = [], {}
+    for flag in emitted:
+        spec = flags[flag]
+        if spec["kind"] == "bool":
+            argv.append(flag)
+            expected[spec["dest"]] = True
+            continue
+        raw, value = samples.get(spec["kind"], ("x", "x"))
+        if spec["choices"] is not None:
+            raw = value = spec["choices"][-1]
+        argv += [flag, raw]
+        expected[spec["dest"]] = value
     args = build_parser().parse_args(argv)
-    for flag, spec in flags.items():
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        typed = {"bool": True, "int": 8, "float": 2.5, "str": "x"}
-        expected = typed[spec["type"]] if spec["type"] in typed else spec["choices"][-1]
-        assert value == expected, flag
+    for dest, value in expected.items():
+        assert getattr(args, dest) == value, dest
+    assert parse_args([*MODEL, "--attention-data-parallel-size", "2"]).attn_dp_size == 2   # an alias
+    assert parse_args([*MODEL, "--dsa-prefill-backend", "prims_ts"]).dsa_prefill_backend == "prims_ts"
+
+
+def test_legacy_attention_dp_resolves_as_sglang_does():
+    args = parse_args([*MODEL, "--tp-size", "16", "--dp-size", "2", "--enable-dp-attention"])
+    assert (args.attn_dp_size, args.dp_size) == (2, 1)
+    assert parse_args([*MODEL, "--dp-size", "2"]).attn_dp_size == 1    # plain DP counts replicas
 
 
 @pytest.mark.parametrize(
@@ -87,9 +103,12 @@ def test_model_path_is_required(capsys):
     assert "--model-path" in capsys.readouterr().err
 
 
-def test_unknown_flag_type_in_flags_yaml_is_refused():
-    with pytest.raises(ValueError, match="--odd has type 'list'"):
-        build_parser({"--odd": {"type": "list"}})
+def test_sglang_value_parsers_take_strings_and_keep_their_choices(capsys):
+    # --cuda-graph-backend-prefill has SGLang's own type function; the stand-in checks its choices.
+    assert parse_args([*MODEL, "--cuda-graph-backend-prefill", "full"]).cuda_graph_backend_prefill == "full"
+    with pytest.raises(SystemExit):
+        parse_args([*MODEL, "--cuda-graph-backend-prefill", "piecewise"])
+    assert "invalid choice: 'piecewise'" in capsys.readouterr().err
 
 
 def test_served_model_name_defaults_to_model_path():
@@ -270,7 +289,7 @@ def test_health_is_503_while_loading_then_200(start):
 
 
 def test_probes_models_load_and_unknown_paths(start):
-    _, port = start(["--served-model-name", "moonshotai/Kimi-K3.1-Pro", "--dp-size", "2"])
+    _, port = start(["--served-model-name", "moonshotai/Kimi-K3.1-Pro", "--attn-dp-size", "2"])
     for path in ("/server_info", "/get_server_info"):
         status, body = call(port, "GET", path)
         assert status == 200 and "model_path" not in json.loads(body)
