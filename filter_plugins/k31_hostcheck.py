@@ -13,7 +13,7 @@ from ansible.errors import AnsibleFilterError
 try:
     from k31deploy import memory
     from k31deploy.errors import K31Error
-    from k31deploy.hostcheck import checks, mnnvl, rdma, system
+    from k31deploy.hostcheck import checks, engine, mnnvl, rdma, system
     from k31deploy.recipe.catalog import catalog
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
@@ -105,6 +105,18 @@ def k31_model_ids(plan: dict[str, Any]) -> dict[str, str]:
     return {"model": plan["model"], "draft": catalog()["model"]["draft"]}
 
 
+def k31_engine_probe(command: list[str]) -> list[str]:
+    """argv that prints the SGLang version and plugins a Python sees: `command` starts that Python (a
+    venv's python3, or `docker run ... --entrypoint python3 IMAGE`), the probe's arguments follow."""
+    return [*command, *engine.probe_args()]
+
+
+def k31_engine_check(output: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """The engine probe's output against the plan's engine build and plugins: {ok, found, problems}."""
+    versions = {name: b.get("version") for name, b in catalog()["engine_builds"].items()}
+    return engine.check(output, plan["engine"], versions)
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -114,4 +126,5 @@ class FilterModule:
             "k31_imex_nodes_config": k31_imex_nodes_config, "k31_imex_status": k31_imex_status,
             "k31_imex_config": k31_imex_config,
             "k31_model_ids": k31_model_ids, "k31_probe_sections": k31_probe_sections,
+            "k31_engine_probe": k31_engine_probe, "k31_engine_check": k31_engine_check,
         }
