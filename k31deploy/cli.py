@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "k31deploy.commands.smoke",
     "k31deploy.commands.ops",
     "k31deploy.commands.status",
+    "k31deploy.commands.pki",
 )
 
 
