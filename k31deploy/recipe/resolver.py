@@ -82,6 +82,8 @@ class _Resolver:
         self.cat = catalog()
         self.with_lane = engine_check
         self.inventory = hosts
+        if hosts is not None:
+            hostlib.check_hosts(hosts)
         inv_knobs = hostlib.inventory_knobs(hosts) if hosts is not None else {}
         self.k = {**normalise(inv_knobs, "inventory"), **normalise(knobs, "settings")}
         self.require_image = require_image
@@ -264,6 +266,7 @@ class _Resolver:
             hosts = hostlib.placeholders({r: v[3]["nnodes"] for r, v in layouts.items()},
                                          router=self.router != "none", mooncake=mooncake)
         hostlib.check_memberships(hosts)
+        hostlib.check_unique_servers([g for role in ROLES for g in hostlib.group_servers(hosts, role)])
         for role in ROLES:
             grouped = hostlib.group_servers(hosts, role)
             if role not in layouts:
