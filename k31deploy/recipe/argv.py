@@ -201,7 +201,7 @@ class EngineArgv:
         if s.kv_offload == "mooncake":
             mc = cat["hicache"]["mooncake"]
             env.update(mc["env"])
-            env[mc["master_env"]] = host_port(r.mooncake_host.address, mc["master_port"])
+            env[mc["master_env"]] = host_port(r.mooncake_host.address, cat["ports"]["mooncake_master"])
         if r.router == "dynamo":
             dyn = cat["dynamo"]
             env.update(dyn["worker_system_env"])
@@ -218,11 +218,12 @@ class EngineArgv:
         host = self.r.mooncake_host
         if host is None:
             return None
-        mc = self.cat["hicache"]["mooncake"]
-        argv = ["mooncake_master", f"--rpc_port={mc['master_port']}", f"--metrics_port={mc['metrics_port']}"]
+        ports = self.cat["ports"]
+        argv = ["mooncake_master", f"--rpc_port={ports['mooncake_master']}",
+                f"--metrics_port={ports['mooncake_metrics']}"]
         self.r.emit_check("mooncake_master", argv[1:])
-        return {"host": host.name, "address": host.address, "port": mc["master_port"],
-                "metrics_port": mc["metrics_port"], "unit": "k31-mooncake-master", "argv": argv}
+        return {"host": host.name, "address": host.address, "port": ports["mooncake_master"],
+                "metrics_port": ports["mooncake_metrics"], "unit": "k31-mooncake-master", "argv": argv}
 
 
 def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ from k31deploy.engine import cli as engine_cli
 from k31deploy.engine import lane
 from k31deploy.errors import K31Error
 from k31deploy.recipe import hosts as hostlib
+from k31deploy.recipe import ports
 from k31deploy.recipe.catalog import (
     ROLES,
     STRATEGY_KNOB,
@@ -550,6 +551,9 @@ class _Resolver:
             "mooncake_master": engine.mooncake_master(),
             "warnings": self.warnings,
         }
+        listening = ports.listeners(self, plan)
+        ports.check(listening)
+        plan["ports"] = ports.table(listening)
         if self.with_lane:
             for text in lane.annotate(plan, self.pinfo, self.family, self.build_cfg["reference"],
                                       self._base_digest):
