@@ -7,6 +7,7 @@ k31_router, k31_mooncake_master; host var `k31_server` groups hosts into one mul
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -35,6 +36,8 @@ PLAYBOOK_VARS = {
     "k31_teardown_purge": "playbooks/teardown.yml",
 }
 ROLES_DIR = Path(__file__).resolve().parents[2] / "roles"
+# Role variables holding a host's fabric address (SGLANG_HOST_IP, the IMEX nodes config): IPs, not names.
+IP_ROLE_VARS = ("k31_rdma_host_ip", "k31_mnnvl_address")
 # Names k31 redeploy / k31 logs take as targets besides server names: a server may not be called so.
 RESERVED_SERVER_NAMES = (*ROLES, "router")
 
@@ -135,6 +138,22 @@ def check_role_variable(var: str, value: Any, host: str) -> None:
                      f"variables are those of roles/*/meta/argument_specs.yml")
         raise K31Error(f"unknown inventory variable '{validate.shown(var)}' on host {host}; "
                        f"{closest(var, [*knobs, *roles, *PLAYBOOK_VARS])}{valid}")
+    if spec.get("type") in ("str", "path") and isinstance(value, str):    # vaulted values are not str here
+        found = validate.CONTROL.search(value)
+        if found:
+            secret = spec.get("no_log")
+            hint = " (a vaulted value piped from echo ends in a newline: use printf '%s')" if secret else ""
+            raise K31Error(
+                f"{var}={'(value not shown: a secret)' if secret else validate.shown(value)} (host {host}) is not "
+                f"valid: it contains the control character {validate.shown(found.group())}, and none may reach a "
+                f"host (a newline would start a new line in a root-run file); valid: one line{hint}"
+            )
+        if var in IP_ROLE_VARS and value and "{{" not in value:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid: an IPv4 or IPv6 "
+                               f"address, or '' to take the host's default-route address") from None
     choices = spec.get("choices")
     if choices and isinstance(value, str) and "{{" not in value and "{%" not in value and value not in choices:
         raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid choices: "

@@ -43,8 +43,8 @@ def refuse_control(setting: str, value: str, valid: str, where: str = "") -> Non
     found = CONTROL.search(value)
     if found:
         raise K31Error(f"{named(setting, value, where)} is not valid: it contains the control character "
-                       f"{shown(found.group())}, which would start a new line in a root-run env file or "
-                       f"script on the host; valid: {valid}")
+                       f"{shown(found.group())}, and none may reach a host (a newline would start a new line in a "
+                       f"root-run env file or script); valid: {valid}")
 
 
 # -- host addresses and names ------------------------------------------------------------------------

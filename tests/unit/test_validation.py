@@ -322,3 +322,14 @@ def test_the_filter_refuses_what_the_cli_refuses():
         assert error.startswith(sentence) and "\n" not in error, error
         with pytest.raises(AnsibleFilterError, match=r"^error: "):
             k31_plan(groups, hostvars, settings)
+
+
+def test_role_variable_strings_carry_no_control_characters_and_secrets_are_not_echoed():
+    refused(r"^k31_engine_etc_dir=/etc/k31\\n \(host d0\) is not valid: it contains the control character \\n",
+            PD, pd_hosts(d0={"k31_engine_etc_dir": "/etc/k31\n"}))
+    message = refused(r"^k31_router_api_key=\(value not shown: a secret\) \(host r0\) is not valid: .*printf",
+                      PD, pd_hosts(r0={"k31_router_api_key": "s3cret\n"}))
+    assert "s3cret" not in message
+    refused(r"^k31_rdma_host_ip=eth0 \(host d0\) is not valid; valid: an IPv4 or IPv6 address",
+            PD, pd_hosts(d0={"k31_rdma_host_ip": "eth0"}))
+    assert resolve(PD, pd_hosts(d0={"k31_rdma_host_ip": "fd00::2", "k31_mnnvl_address": ""}))["servers"]
