@@ -123,9 +123,13 @@ def test_smoke_takes_bracketed_urls_and_refuses_bare_ipv6():
         validate("http://fd00::9:8000/v1", "m", 5)
 
 
-def test_the_filter_plugin_endpoint_is_bracketed():
+def test_the_filter_plugins_bracket_too():
     spec = importlib.util.spec_from_file_location("k31_filter", ROOT / "filter_plugins/k31.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.FilterModule().filters()["k31_endpoint"](mi_pd_plan()) == "http://[fd00::9]:8000/v1"
+    filters = module.FilterModule().filters()
+    assert filters["k31_endpoint"](mi_pd_plan()) == "http://[fd00::9]:8000/v1"
+    assert filters["k31_url"]("fd00::9", 2379) == "http://[fd00::9]:2379"
+    assert filters["k31_url"]("node0", 4222, "nats") == "nats://node0:4222"
+    assert filters["k31_host_port"]("fd00::9", 8000) == "[fd00::9]:8000"
     assert server(mi_pd_plan(), "prefill")["ranks"][0]["address"] == "fd00::1"

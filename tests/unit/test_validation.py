@@ -333,3 +333,19 @@ def test_role_variable_strings_carry_no_control_characters_and_secrets_are_not_e
     refused(r"^k31_rdma_host_ip=eth0 \(host d0\) is not valid; valid: an IPv4 or IPv6 address",
             PD, pd_hosts(d0={"k31_rdma_host_ip": "eth0"}))
     assert resolve(PD, pd_hosts(d0={"k31_rdma_host_ip": "fd00::2", "k31_mnnvl_address": ""}))["servers"]
+
+
+@pytest.mark.parametrize("var", ["ansible_host", "k31_server", "k31_node_rank", "k31_engine_runtime",
+                                 "k31_router_api_key", "k31_rdma_host_ip", "k31_engine_extra_env"])
+def test_odd_host_variables_are_refused_or_planned_never_a_traceback(var):
+    for value in ODD:
+        try:
+            resolve(PD, pd_hosts(d0={var: value}))
+        except K31Error as exc:
+            assert "\n" not in str(exc) and not CONTROL.search(str(exc)), (var, value, str(exc))
+    for name in ODD:
+        try:
+            resolve(PD, [from_mapping(name, ["k31_decode"], {"ansible_host": "10.0.0.2"}) if isinstance(name, str)
+                         else from_mapping(str(name), ["k31_decode"], {}), *pd_hosts()[::2]])
+        except K31Error as exc:
+            assert "\n" not in str(exc), (name, str(exc))
