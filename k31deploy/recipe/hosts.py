@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from k31deploy import envfile
 from k31deploy.errors import K31Error
 from k31deploy.recipe import validate
 from k31deploy.recipe.catalog import ROLES, knob_specs
@@ -154,6 +155,12 @@ def check_role_variable(var: str, value: Any, host: str) -> None:
             except ValueError:
                 raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid: an IPv4 or IPv6 "
                                f"address, or '' to take the host's default-route address") from None
+    if var.endswith("_extra_env") and isinstance(value, dict):    # lines of the engines' env files
+        for key, item in value.items():
+            try:
+                envfile.line(key, item)
+            except K31Error as exc:
+                raise K31Error(f"{var} (host {host}) is not valid: {exc}") from None
     choices = spec.get("choices")
     if choices and isinstance(value, str) and "{{" not in value and "{%" not in value and value not in choices:
         raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid choices: "

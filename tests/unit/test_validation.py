@@ -349,3 +349,11 @@ def test_odd_host_variables_are_refused_or_planned_never_a_traceback(var):
                          else from_mapping(str(name), ["k31_decode"], {}), *pd_hosts()[::2]])
         except K31Error as exc:
             assert "\n" not in str(exc), (name, str(exc))
+
+
+def test_extra_env_entries_are_checked_before_any_host():
+    refused(r"^k31_engine_extra_env \(host d0\) is not valid: the value of NCCL_DEBUG contains the control character",
+            PD, pd_hosts(d0={"k31_engine_extra_env": {"NCCL_DEBUG": "INFO\nLD_PRELOAD=/x.so"}}))
+    refused(r"^k31_rdma_extra_env \(host d0\) is not valid: env file variable name 'A B' is not valid",
+            PD, pd_hosts(d0={"k31_rdma_extra_env": {"A B": "1"}}))
+    assert resolve(PD, pd_hosts(d0={"k31_engine_extra_env": {"NCCL_DEBUG": "INFO"}}))["servers"]
