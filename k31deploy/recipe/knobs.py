@@ -23,10 +23,10 @@ def _choices_text(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
-def closest(name: str, valid, prefix: str = "") -> str:
+def closest(name: Any, valid) -> str:
     """'did you mean X?' for a typo, or nothing."""
-    found = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.75)
-    return f"did you mean {' or '.join(prefix + f for f in found)}? " if found else ""
+    found = difflib.get_close_matches(str(name), list(valid), n=3, cutoff=0.75)
+    return f"did you mean {' or '.join(found)}? " if found else ""
 
 
 def check_name(name: str, where: str) -> dict[str, Any]:

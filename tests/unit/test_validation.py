@@ -357,3 +357,9 @@ def test_extra_env_entries_are_checked_before_any_host():
     refused(r"^k31_rdma_extra_env \(host d0\) is not valid: env file variable name 'A B' is not valid",
             PD, pd_hosts(d0={"k31_rdma_extra_env": {"A B": "1"}}))
     assert resolve(PD, pd_hosts(d0={"k31_engine_extra_env": {"NCCL_DEBUG": "INFO"}}))["servers"]
+
+
+def test_odd_knob_names_from_a_settings_mapping_are_refused():
+    for name in (1, None, "", " ", "a\x00", ("t",)):
+        with pytest.raises(K31Error, match=r"^unknown knob '.*' \(settings\); "):
+            resolve({**PD, name: 1})
