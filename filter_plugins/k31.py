@@ -11,7 +11,7 @@ from typing import Any
 from ansible.errors import AnsibleFilterError
 
 try:
-    from k31deploy import launch
+    from k31deploy import address, envfile, launch
     from k31deploy.errors import K31Error
     from k31deploy.recipe import from_mapping, resolve
     from k31deploy.recipe.hosts import K31_GROUPS
@@ -81,15 +81,34 @@ def k31_endpoint(plan: dict[str, Any]) -> str:
     return launch.endpoint(plan)
 
 
+def k31_url(host: str, port: int, scheme: str = "http", path: str = "") -> str:
+    """`scheme://host:port/path` with an IPv6 host in brackets (k31deploy.address)."""
+    return address.url(scheme, str(host), port, path)
+
+
+def k31_host_port(host: str, port: int) -> str:
+    """`host:port` with an IPv6 host in brackets."""
+    return address.host_port(str(host), port)
+
+
 def k31_env_file(texts: list[str]) -> dict[str, str]:
-    """KEY=VALUE lines of env files (comments and blanks skipped), later files winning."""
-    env: dict[str, str] = {}
-    for text in texts:
-        for line in text.splitlines():
-            key, sep, value = line.strip().partition("=")
-            if sep and key and not key.startswith("#"):
-                env[key.strip()] = value.strip()
-    return env
+    """KEY=VALUE lines of env files as k31_env_line writes them (comments and blanks skipped), later files
+    winning."""
+    return envfile.parse(texts)
+
+
+def k31_env_line(key: str, value: Any, container: bool = False) -> str:
+    """One env-file line no value can break out of (k31deploy.envfile): container=true when docker/podman
+    --env-file read the file too."""
+    try:
+        return envfile.line(key, value, container=bool(container))
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_env_comment(text: Any) -> str:
+    """Text safe on one `# ...` line of an env file or script."""
+    return envfile.comment(text)
 
 
 def k31_flag_value(argv: list[str], flag: str) -> str | None:
@@ -101,5 +120,6 @@ class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
                 "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
-                "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file,
-                "k31_service_command": k31_service_command}
+                "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file, "k31_env_line": k31_env_line,
+                "k31_env_comment": k31_env_comment, "k31_service_command": k31_service_command,
+                "k31_url": k31_url, "k31_host_port": k31_host_port}

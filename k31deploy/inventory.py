@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from k31deploy.errors import K31Error
-from k31deploy.recipe.hosts import K31_GROUPS, Host, from_mapping
+from k31deploy.recipe.catalog import knob_specs
+from k31deploy.recipe.hosts import K31_GROUPS, LAYOUT_VARS, Host, from_mapping
+from k31deploy.recipe.validate import shown
 
 
 def load_hosts(source: str) -> list[Host]:
@@ -27,12 +29,24 @@ def load_hosts(source: str) -> list[Host]:
         raise K31Error(
             f"inventory {source} has no host in a k31 group; valid groups: {', '.join(K31_GROUPS)}"
         )
+    from ansible.template import Templar
+
     variables = VariableManager(loader=loader, inventory=inventory)
+    # What the resolver reads, templated as a playbook's hostvars would be ("{{ base }}/Kimi" is a path
+    # there, and must be one here too); role variables keep their raw values (vaulted ones need a secret).
+    templated = {"ansible_host", *LAYOUT_VARS, *(f"k31_{k}" for k in knob_specs())}
     hosts = []
     for host in inventory.list_hosts("all"):
         groups = [g.name for g in host.get_groups()]
         if not any(g in K31_GROUPS for g in groups):
             continue
-        hostvars = variables.get_vars(host=host, include_hostvars=False)
-        hosts.append(from_mapping(host.name, groups, dict(hostvars)))
+        hostvars = dict(variables.get_vars(host=host, include_hostvars=False))
+        templar = Templar(loader=loader, variables=hostvars)
+        for var in templated & set(hostvars):
+            try:
+                hostvars[var] = templar.template(hostvars[var])
+            except AnsibleError as exc:
+                raise K31Error(f"{var} of host {shown(host.name)} could not be templated: "
+                               f"{shown(str(exc).splitlines()[0])}") from None
+        hosts.append(from_mapping(host.name, groups, hostvars))
     return hosts

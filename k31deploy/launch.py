@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from k31deploy import address as addr
 from k31deploy.errors import K31Error
 
 RUNTIMES = ("container", "venv", "standin")
@@ -95,8 +96,7 @@ def endpoint_address(plan: dict[str, Any]) -> tuple[str, int]:
 
 def http_url(address: str, port: int) -> str:
     """The OpenAI base URL of an address (IPv6 in brackets)."""
-    host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{port}/v1"
+    return addr.http_url(address, port, "/v1")
 
 
 def endpoint(plan: dict[str, Any]) -> str:
@@ -107,7 +107,7 @@ def endpoint(plan: dict[str, Any]) -> str:
 def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Prometheus file_sd groups: engines (rank 0 serves /metrics with --enable-metrics), the router's
     metrics listener, the Dynamo frontend's /metrics."""
-    engines = [{"targets": [f"{s['ranks'][0]['address']}:{s['port']}"],
+    engines = [{"targets": [addr.host_port(s["ranks"][0]["address"], s["port"])],
                 "labels": {"k31_server": s["name"], "k31_role": s["role"], "k31_strategy": s["strategy"]}}
                for s in plan["servers"]]
     files: dict[str, list[dict[str, Any]]] = {"k31-engines": engines}
@@ -115,7 +115,7 @@ def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     if router:
         port = router.get("metrics_port") or (router["port"] if router["kind"] == "dynamo" else None)
         if port:
-            files["k31-router"] = [{"targets": [f"{router['address']}:{port}"],
+            files["k31-router"] = [{"targets": [addr.host_port(router["address"], port)],
                                     "labels": {"k31_router": router["kind"]}}]
     return files
 

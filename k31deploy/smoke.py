@@ -161,8 +161,13 @@ def _failure(exc: Exception) -> str:
 
 def validate(base_url: str, model: str, timeout: float) -> None:
     url = urlsplit(base_url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise K31Error(f"base URL {base_url!r} is not valid; give http://HOST:PORT/v1 or https://HOST:PORT/v1")
+    try:
+        port_ok = url.port is None or url.port > 0
+    except ValueError:    # e.g. an IPv6 address without brackets: its colons read as a port
+        port_ok = False
+    if url.scheme not in ("http", "https") or not url.hostname or not port_ok:
+        raise K31Error(f"base URL {base_url!r} is not valid; give http://HOST:PORT/v1 or https://HOST:PORT/v1 "
+                       f"(an IPv6 address in brackets: http://[fd00::1]:8000/v1)")
     if not model.strip():
         raise K31Error("model is empty; give the served model name, e.g. moonshotai/Kimi-K3.1-Pro")
     if not timeout > 0:

@@ -85,9 +85,16 @@ def render_plan(plan: dict[str, Any]) -> str:
         lines.append(f"    {env + ' ' if env else ''}{shlex.join(router['argv'])}")
     else:
         lines.append("router: none (clients talk to the server directly)")
+    lines += ["", "ports (every port each host listens on):", *port_lines(plan["ports"])]
     for warning in plan["warnings"]:
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def port_lines(ports: list[dict[str, Any]]) -> list[str]:
+    rows = [(p["host"], f"{p['port']}/{p['proto']}", p["service"], p["purpose"]) for p in ports]
+    widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+    return ["  " + "  ".join([*(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)), r[3]]) for r in rows]
 
 
 def engine_verdict(plat: str, role: str, strategy: str) -> tuple[str, dict[str, Any]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k31deploy.address import host_port
 from k31deploy.commands.recipe import add_plan_args, plan_from_args
 from k31deploy.errors import K31Error
 from k31deploy.launch import endpoint_address, http_url
@@ -53,8 +54,8 @@ def cmd_smoke(args: argparse.Namespace) -> int:
         results = run_smoke(target, plan["model"], key, args.timeout)
     print(report(results, target, plan["model"], args.json))
     if not args.via and results and all(r.detail.startswith("Connection error") for r in results):
-        print(f"hint: this machine cannot reach {address}:{port}; --via HOST tunnels through an inventory host "
-              "that can", file=sys.stderr)
+        print(f"hint: this machine cannot reach {host_port(address, port)}; --via HOST tunnels through an inventory "
+              "host that can", file=sys.stderr)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from k31deploy.address import http_url
 from k31deploy.errors import K31Error
 
 ROLES = ("decode", "prefill", "unified")  # also the rollout's phase order: prefills follow their decodes
@@ -16,8 +17,7 @@ RULE = "the prefill keeps the old decode's Mooncake mapping (seed, PD disaggrega
 
 
 def http(address: str, port: int, path: str = "") -> str:
-    host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{port}{path}"
+    return http_url(address, port, path)
 
 
 def worker_url(server: dict[str, Any]) -> str:

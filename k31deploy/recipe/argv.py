@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from k31deploy.address import host_port, http_url, url
+
 if TYPE_CHECKING:
     from k31deploy.recipe.resolver import Server, _Resolver
 
@@ -88,7 +90,7 @@ class EngineArgv:
         if lay["nnodes"] > 1:
             head = s.hosts[0].address
             flags.update({"--nnodes": lay["nnodes"], "--node-rank": rank,
-                          "--dist-init-addr": f"{head}:{k('dist_init_port', cat['ports']['dist_init'])}"})
+                          "--dist-init-addr": host_port(head, k("dist_init_port", cat["ports"]["dist_init"]))})
         if s.role in ("prefill", "decode"):
             flags.update({
                 "--disaggregation-mode": s.role,
@@ -199,7 +201,7 @@ class EngineArgv:
         if s.kv_offload == "mooncake":
             mc = cat["hicache"]["mooncake"]
             env.update(mc["env"])
-            env[mc["master_env"]] = f"{r.mooncake_host.address}:{mc['master_port']}"
+            env[mc["master_env"]] = host_port(r.mooncake_host.address, cat["ports"]["mooncake_master"])
         if r.router == "dynamo":
             dyn = cat["dynamo"]
             env.update(dyn["worker_system_env"])
@@ -210,17 +212,18 @@ class EngineArgv:
     def dynamo_discovery_env(self) -> dict[str, str]:
         host = self.r.router_host.address
         ports = self.cat["ports"]
-        return {"ETCD_ENDPOINTS": f"http://{host}:{ports['etcd']}", "NATS_SERVER": f"nats://{host}:{ports['nats']}"}
+        return {"ETCD_ENDPOINTS": url("http", host, ports["etcd"]), "NATS_SERVER": url("nats", host, ports["nats"])}
 
     def mooncake_master(self) -> dict[str, Any] | None:
         host = self.r.mooncake_host
         if host is None:
             return None
-        mc = self.cat["hicache"]["mooncake"]
-        argv = ["mooncake_master", f"--rpc_port={mc['master_port']}", f"--metrics_port={mc['metrics_port']}"]
+        ports = self.cat["ports"]
+        argv = ["mooncake_master", f"--rpc_port={ports['mooncake_master']}",
+                f"--metrics_port={ports['mooncake_metrics']}"]
         self.r.emit_check("mooncake_master", argv[1:])
-        return {"host": host.name, "address": host.address, "port": mc["master_port"],
-                "metrics_port": mc["metrics_port"], "unit": "k31-mooncake-master", "argv": argv}
+        return {"host": host.name, "address": host.address, "port": ports["mooncake_master"],
+                "metrics_port": ports["mooncake_metrics"], "unit": "k31-mooncake-master", "argv": argv}
 
 
 def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -242,19 +245,19 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
     dialect = cfg["dialects"][r.dialect]
     argv = list(dialect["launcher"])
 
-    def url(server: dict[str, Any]) -> str:
-        return f"http://{server['ranks'][0]['address']}:{server['port']}"
+    def worker_url(server: dict[str, Any]) -> str:
+        return http_url(server["ranks"][0]["address"], server["port"])
 
     if r.topology == "pd":
         argv.append("--pd-disaggregation")
         for s in servers:
             if s["role"] == "prefill":
-                argv += ["--prefill", url(s), str(s["bootstrap_port"])]
+                argv += ["--prefill", worker_url(s), str(s["bootstrap_port"])]
         for s in servers:
             if s["role"] == "decode":
-                argv += ["--decode", url(s)]
+                argv += ["--decode", worker_url(s)]
     else:
-        argv += ["--worker-urls", *(url(s) for s in servers)]
+        argv += ["--worker-urls", *(worker_url(s) for s in servers)]
     argv += ["--host", cfg["bind_host"], "--port", str(cat["ports"]["router"]), "--policy", cfg["policy"]]
     if dialect["model_flags"]:
         argv += ["--model-id", cat["model"]["name"]]

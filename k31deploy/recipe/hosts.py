@@ -7,25 +7,57 @@ k31_router, k31_mooncake_master; host var `k31_server` groups hosts into one mul
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any
 
+import yaml
+
+from k31deploy import envfile
 from k31deploy.errors import K31Error
+from k31deploy.recipe import validate
 from k31deploy.recipe.catalog import ROLES, knob_specs
+from k31deploy.recipe.knobs import closest
 
 ENGINE_GROUPS = {role: f"k31_{role}" for role in ROLES}
 ROUTER_GROUP = "k31_router"
 MOONCAKE_GROUP = "k31_mooncake_master"
 K31_GROUPS = (*ENGINE_GROUPS.values(), ROUTER_GROUP, MOONCAKE_GROUP)
 
-# `k31_*` variables that are not recipe knobs: the layout host vars and the roles' own
-# (role-prefixed) variables. Anything else named k31_* is a typo'd knob and is refused.
+# `k31_*` variables that are not recipe knobs: the layout host vars, the roles' own variables (each
+# role's meta/argument_specs.yml, all entry points) and the few the playbooks read themselves. Anything
+# else named k31_* is a typo and is refused, as a typo'd knob is: `k31_router_api_kye` would otherwise
+# leave the router without its key.
 LAYOUT_VARS = ("k31_server", "k31_node_rank")
-ROLE_VAR_PREFIXES = (
-    "k31_validate_", "k31_engine_", "k31_router_", "k31_dynamo_", "k31_mooncake_store_", "k31_smoke_",
-    "k31_preflight_", "k31_container_runtime_", "k31_image_", "k31_model_", "k31_rdma_", "k31_mnnvl_",
-    "k31_redeploy_", "k31_status_", "k31_sandbox_", "k31_observability_", "k31_reboot_",
-)
+PLAYBOOK_VARS = {
+    "k31_reboot_ok": "playbooks/prepare.yml",
+    "k31_teardown_confirm": "playbooks/teardown.yml",
+    "k31_teardown_purge": "playbooks/teardown.yml",
+}
+ROLES_DIR = Path(__file__).resolve().parents[2] / "roles"
+# Role variables holding a host's fabric address (SGLANG_HOST_IP, the IMEX nodes config): IPs, not names.
+IP_ROLE_VARS = ("k31_rdma_host_ip", "k31_mnnvl_address")
+# Names k31 redeploy / k31 logs take as targets besides server names: a server may not be called so.
+RESERVED_SERVER_NAMES = (*ROLES, "router")
+
+
+@cache
+def role_variables() -> dict[str, dict[str, Any]]:
+    """Every role variable -> its argument spec (plus `role`), from roles/*/meta/argument_specs.yml."""
+    specs = sorted(ROLES_DIR.glob("*/meta/argument_specs.yml"))
+    if not specs:
+        raise K31Error(f"k31's roles are not next to the installed package ({ROLES_DIR} has no "
+                       f"*/meta/argument_specs.yml) to check role variables against; install k31 from its "
+                       f"checkout with pip install -e")
+    found: dict[str, dict[str, Any]] = {}
+    for path in specs:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for entry in (data.get("argument_specs") or {}).values():
+            for name, spec in (entry.get("options") or {}).items():
+                found.setdefault(name, {**spec, "role": path.parts[-3]})
+    return found
 
 
 @dataclass(frozen=True)
@@ -47,8 +79,28 @@ def from_mapping(name: str, groups: list[str] | tuple[str, ...], hostvars: dict[
     return Host(name=name, address=address, groups=tuple(g for g in groups if g in K31_GROUPS), vars=kept)
 
 
+def check_hosts(hosts: list[Host]) -> None:
+    """Host names, addresses (ansible_host, or the name) and engine hosts' server names, each against its
+    allow-list: they reach unit files, env files, URLs and ssh."""
+    for host in hosts:
+        validate.host_name(host.name)
+        if "ansible_host" in host.vars:
+            validate.address("ansible_host", host.address, f"host {host.name}")
+        else:
+            validate.address(f"host {host.name}", host.address, "its name: no ansible_host is set")
+        if any(g in ENGINE_GROUPS.values() for g in host.groups):
+            name = validate.server_name(host.server, host.name)
+            if name in RESERVED_SERVER_NAMES:
+                raise K31Error(
+                    f"server name '{name}' of host {host.name} (k31_server, or the host name when unset) is also "
+                    f"a target name of k31 redeploy and k31 logs; valid: any other name, e.g. {name}0"
+                )
+
+
 def inventory_knobs(hosts: list[Host]) -> dict[str, Any]:
-    """Knob values set in the inventory (`k31_<knob>`); they are cluster-wide, so hosts must agree."""
+    """Knob values set in the inventory (`k31_<knob>`); they are cluster-wide, so hosts must agree.
+    Every other k31_* variable must be a layout, role or playbook variable (role values with `choices`
+    in their argument spec are checked against them)."""
     specs = knob_specs()
     seen: dict[str, tuple[Any, str]] = {}
     for host in hosts:
@@ -57,21 +109,63 @@ def inventory_knobs(hosts: list[Host]) -> dict[str, Any]:
                 continue
             knob = var[len("k31_"):]
             if knob not in specs:
-                if var.startswith(ROLE_VAR_PREFIXES):
-                    continue
-                raise K31Error(
-                    f"unknown inventory variable '{var}' on host {host.name}; recipe knobs are "
-                    f"k31_<knob> with knob one of: {', '.join(sorted(specs))}"
-                )
+                check_role_variable(var, value, host.name)
+                continue
             if knob in seen and seen[knob][0] != value:
                 other_value, other = seen[knob]
                 hint = " (both PD roles must use the same backend)" if knob == "attention_backend" else ""
                 raise K31Error(
-                    f"{var} differs between hosts ({other}: {other_value}, {host.name}: {value}); recipe "
-                    f"knobs are cluster-wide{hint}: set it once in group_vars/all"
+                    f"{var} differs between hosts ({other}: {validate.shown(other_value)}, {host.name}: "
+                    f"{validate.shown(value)}); recipe knobs are cluster-wide{hint}: set it once in group_vars/all"
                 )
             seen.setdefault(knob, (value, host.name))
     return {knob: value for knob, (value, _) in seen.items()}
+
+
+def check_role_variable(var: str, value: Any, host: str) -> None:
+    """A k31_* variable that is not a knob: a role's (argument_specs.yml) or a playbook's, else refused."""
+    if var in PLAYBOOK_VARS:
+        return
+    roles = role_variables()
+    spec = roles.get(var)
+    if spec is None:
+        knobs = [f"k31_{k}" for k in knob_specs()]
+        role = next((r for r in sorted({s["role"] for s in roles.values()}, key=len, reverse=True)
+                     if var.startswith(f"{r}_")), None)
+        if role:
+            valid = f"{role}'s variables are {', '.join(sorted(n for n, s in roles.items() if s['role'] == role))}"
+        else:
+            valid = (f"recipe knobs are k31_<knob> with knob one of: {', '.join(sorted(knob_specs()))}; role "
+                     f"variables are those of roles/*/meta/argument_specs.yml")
+        raise K31Error(f"unknown inventory variable '{validate.shown(var)}' on host {host}; "
+                       f"{closest(var, [*knobs, *roles, *PLAYBOOK_VARS])}{valid}")
+    if spec.get("type") in ("str", "path") and isinstance(value, str):    # vaulted values are not str here
+        found = validate.CONTROL.search(value)
+        if found:
+            secret = spec.get("no_log")
+            hint = " (a vaulted value piped from echo ends in a newline: use printf '%s')" if secret else ""
+            raise K31Error(
+                f"{var}={'(value not shown: a secret)' if secret else validate.shown(value)} (host {host}) is not "
+                f"valid: it contains the control character {validate.shown(found.group())}, and none may reach a "
+                f"host (a newline would start a new line in a root-run file); valid: one line{hint}"
+            )
+        if var in IP_ROLE_VARS and value and "{{" not in value:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid: an IPv4 or IPv6 "
+                               f"address, or '' to take the host's default-route address") from None
+    if var.endswith("_extra_env") and isinstance(value, dict):    # lines of the engines' env files
+        for key, item in value.items():
+            try:
+                envfile.line(key, item)
+            except K31Error as exc:
+                raise K31Error(f"{var} (host {host}) is not valid: {exc}") from None
+    choices = spec.get("choices")
+    if choices and isinstance(value, str) and "{{" not in value and "{%" not in value and value not in choices:
+        raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid choices: "
+                       f"{', '.join(repr(c) if c == '' else str(c) for c in choices)} "
+                       f"(roles/{spec['role']}/meta/argument_specs.yml)")
 
 
 @dataclass
@@ -93,8 +187,8 @@ def group_servers(hosts: list[Host], role: str) -> list[ServerHosts]:
         if all(r is None for r in ranks):
             continue
         try:
-            as_int = sorted(int(r) for r in ranks)
-        except (TypeError, ValueError):
+            as_int = sorted(validate.whole_number(r) for r in ranks)
+        except ValueError:
             raise K31Error(
                 f"k31_node_rank of server {server.name} must be set on all of its hosts "
                 f"({', '.join(h.name for h in server.hosts)}) as 0..{len(ranks) - 1}, or on none"
@@ -104,8 +198,22 @@ def group_servers(hosts: list[Host], role: str) -> list[ServerHosts]:
                 f"k31_node_rank of server {server.name} must number its hosts 0..{len(ranks) - 1} "
                 f"exactly once; found {', '.join(str(r) for r in ranks)}"
             )
-        server.hosts.sort(key=lambda h: int(h.vars["k31_node_rank"]))
+        server.hosts.sort(key=lambda h: validate.whole_number(h.vars["k31_node_rank"]))
     return list(servers.values())
+
+
+def check_unique_servers(servers: list[ServerHosts]) -> None:
+    """One k31_server name is one server: on hosts of two roles it would be two servers sharing units'
+    names and redeploy targets (the redeploy order then breaks)."""
+    first: dict[str, ServerHosts] = {}
+    for server in servers:
+        other = first.setdefault(server.name, server)
+        if other is not server:
+            raise K31Error(
+                f"k31_server={server.name} names a {other.role} server ({', '.join(h.name for h in other.hosts)}) "
+                f"and a {server.role} server ({', '.join(h.name for h in server.hosts)}); server names must be "
+                f"unique across roles: give each server its own k31_server"
+            )
 
 
 def check_memberships(hosts: list[Host]) -> None:

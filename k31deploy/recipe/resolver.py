@@ -14,6 +14,7 @@ from k31deploy.engine import cli as engine_cli
 from k31deploy.engine import lane
 from k31deploy.errors import K31Error
 from k31deploy.recipe import hosts as hostlib
+from k31deploy.recipe import ports
 from k31deploy.recipe.catalog import (
     ROLES,
     STRATEGY_KNOB,
@@ -82,6 +83,8 @@ class _Resolver:
         self.cat = catalog()
         self.with_lane = engine_check
         self.inventory = hosts
+        if hosts is not None:
+            hostlib.check_hosts(hosts)
         inv_knobs = hostlib.inventory_knobs(hosts) if hosts is not None else {}
         self.k = {**normalise(inv_knobs, "inventory"), **normalise(knobs, "settings")}
         self.require_image = require_image
@@ -264,6 +267,7 @@ class _Resolver:
             hosts = hostlib.placeholders({r: v[3]["nnodes"] for r, v in layouts.items()},
                                          router=self.router != "none", mooncake=mooncake)
         hostlib.check_memberships(hosts)
+        hostlib.check_unique_servers([g for role in ROLES for g in hostlib.group_servers(hosts, role)])
         for role in ROLES:
             grouped = hostlib.group_servers(hosts, role)
             if role not in layouts:
@@ -547,6 +551,9 @@ class _Resolver:
             "mooncake_master": engine.mooncake_master(),
             "warnings": self.warnings,
         }
+        listening = ports.listeners(self, plan)
+        ports.check(listening)
+        plan["ports"] = ports.table(listening)
         if self.with_lane:
             for text in lane.annotate(plan, self.pinfo, self.family, self.build_cfg["reference"],
                                       self._base_digest):
