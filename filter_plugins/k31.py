@@ -35,10 +35,12 @@ def _hosts(groups: dict[str, list[str]], hostvars: Any) -> list:
 
 
 def k31_plan(groups: dict[str, list[str]], hostvars: Any, settings: dict[str, Any] | None = None,
-             require_image: bool = False, on_error: str = "raise") -> dict[str, Any]:
-    """Resolve the plan for the inventory; on_error='return' gives {'error': sentence} instead of failing."""
+             require_image: bool = False, on_error: str = "raise", resolve_names: bool = True) -> dict[str, Any]:
+    """Resolve the plan for the inventory; on_error='return' gives {'error': sentence} instead of failing.
+    Host names become the IPs services bind to (resolve_names), as every playbook reaching hosts needs."""
     try:
-        return resolve(dict(settings or {}), _hosts(groups, hostvars), require_image=bool(require_image))
+        return resolve(dict(settings or {}), _hosts(groups, hostvars), require_image=bool(require_image),
+                       resolve_names=bool(resolve_names))
     except K31Error as exc:
         if on_error == "return":
             return {"error": str(exc)}

@@ -27,8 +27,9 @@ def host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
         for rank in server["ranks"]:
             if rank["host"] == host:
                 info = {k: v for k, v in server.items() if k != "ranks"}
+                # engines bind their cluster address only (not loopback): probe it there
                 found.append({"server": info, "rank": rank,
-                              "health_url": f"http://127.0.0.1:{server['port']}/health"})
+                              "health_url": addr.http_url(rank["address"], server["port"], "/health")})
     return found
 
 
@@ -84,10 +85,11 @@ def model_mounts(plan: dict[str, Any]) -> list[str]:
 
 
 def endpoint_address(plan: dict[str, Any]) -> tuple[str, int]:
-    """(address, port) clients use: the router or Dynamo frontend, else the first unified server's rank 0."""
+    """(address, port) clients use: the router's or Dynamo frontend's public address, else the first unified
+    server's rank 0."""
     router = plan.get("router")
     if router:
-        return router["address"], router["port"]
+        return router["public_address"], router["port"]
     for server in plan["servers"]:
         if server["role"] == "unified":
             return server["ranks"][0]["address"], server["port"]

@@ -54,7 +54,7 @@ def plan_from_args(args: argparse.Namespace, *, require_image: bool = False) -> 
         from k31deploy.inventory import load_hosts
 
         hosts = load_hosts(args.inventory)
-    return resolve(knobs_from_args(args), hosts, require_image=require_image)
+    return resolve(knobs_from_args(args), hosts, require_image=require_image, resolve_names=require_image)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

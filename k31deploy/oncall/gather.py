@@ -28,14 +28,15 @@ def plan_hosts(plan: dict[str, Any]) -> list[str]:
 
 
 def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per host: the planned units and the URLs to probe for each, on 127.0.0.1 (where the gates probe)."""
+    """Per host: the planned units and the URLs to probe for each, on the address each unit binds (where
+    the gates probe): an engine's cluster address, the router's public one."""
     specs: dict[str, dict[str, Any]] = {h: {"units": {}} for h in plan_hosts(plan)}
     for server in plan["servers"]:
         for rank in server["ranks"]:
-            specs[rank["host"]]["units"][rank["unit"]] = {"health": http("127.0.0.1", server["port"], "/health")}
+            specs[rank["host"]]["units"][rank["unit"]] = {"health": http(rank["address"], server["port"], "/health")}
     router = plan.get("router")
     if router:
-        base = http("127.0.0.1", router["port"])
+        base = http(router["public_address"], router["port"])
         urls = ({"readiness": f"{base}/readiness", "workers": f"{base}/workers"} if router["kind"] == "sglang"
                 else {"models": f"{base}/v1/models"})
         specs[router["host"]]["units"][router["unit"]] = urls

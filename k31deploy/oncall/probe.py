@@ -1,5 +1,5 @@
 """Runs ON each host (shipped by `k31 status` / `k31 logs` through Ansible's script module): reads the
-k31 units' systemd state, probes health URLs on 127.0.0.1, and prints one JSON document.
+k31 units' systemd state, probes the health URLs where each unit binds, and prints one JSON document.
 
 Standard library only and Python 3.8-compatible: hosts have nothing of k31 but what the roles put there.
 The controller appends a line calling cli() with what to probe on every host.

@@ -57,8 +57,8 @@ def _step(server: dict[str, Any], reason: str) -> dict[str, Any]:
         "worker_url": worker_url(server),
         "worker_type": "regular" if server["role"] == "unified" else server["role"],
         "bootstrap_port": server.get("bootstrap_port"),
-        "health_url": http("127.0.0.1", server["port"], "/health"),
-        "load_url": http("127.0.0.1", server["port"], "/get_load"),
+        "health_url": http(rank0["address"], server["port"], "/health"),    # where the engine binds
+        "load_url": http(rank0["address"], server["port"], "/get_load"),
     }
 
 
@@ -126,7 +126,7 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
         "hold_decodes": hold,
         "hold_hosts": [h for s in steps if s["role"] == "prefill" for h in s["hosts"]] if decodes else [],
         "router": {"kind": router["kind"], "host": router["host"], "port": router["port"],
-                   "url": http("127.0.0.1", router["port"])} if router else None,
+                   "url": http(router["public_address"], router["port"])} if router else None,
         "drain": drain,
         "notes": notes,
     }
@@ -143,10 +143,10 @@ def follow_config(plan: dict[str, Any], host: str, **settings: Any) -> dict[str,
     drains = []
     for _, server, rank in mine:
         if rank["node_rank"] == 0 and router and router["kind"] == "sglang":
-            drains.append({"router": http(router["address"], router["port"]), "worker_url": worker_url(server),
-                           "bootstrap_port": server.get("bootstrap_port"),
-                           "health": http("127.0.0.1", server["port"], "/health"),
-                           "load": http("127.0.0.1", server["port"], "/get_load")})
+            drains.append({"router": http(router["public_address"], router["port"]),
+                           "worker_url": worker_url(server), "bootstrap_port": server.get("bootstrap_port"),
+                           "health": http(rank["address"], server["port"], "/health"),
+                           "load": http(rank["address"], server["port"], "/get_load")})
     own = {s["name"] for _, s, _ in mine}
     return {
         "units": [r["unit"] for _, _, r in mine],

@@ -37,7 +37,7 @@ class EngineArgv:
             elif rank == 0:    # ranks differ only in --node-rank
                 self.r.engine_check(s.name, argv[len(self.launcher()):])
             ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
-                          "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port)})
+                          "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port, host.address)})
         return {
             "name": s.name,
             "role": s.role,
@@ -70,7 +70,8 @@ class EngineArgv:
             "--trust-remote-code": True,
         }
         if r.router != "dynamo":    # a dynamo.sglang worker serves no HTTP; the frontend does
-            flags.update({"--host": "0.0.0.0", "--port": port})
+            # Engines bind the cluster address only: their API (admin endpoints too) is internal.
+            flags.update({"--host": s.hosts[rank].address, "--port": port})
         flags["--tp-size"] = lay["tp"]
         if lay["dp"] > 1:    # attention DP, spelled as the engine build spells it
             flags.update({flag: lay["dp"] if value == "dp" else value
@@ -170,7 +171,7 @@ class EngineArgv:
         if s.decode_radix:
             flags[hc["decode_radix_flag"]] = True
 
-    def env(self, s: Server, port: int) -> dict[str, str]:
+    def env(self, s: Server, port: int, address: str) -> dict[str, str]:
         r, cat = self.r, self.cat
         env: dict[str, Any] = dict(r.family["env"])
         env.update(s.cell.get("env", {}))
@@ -206,6 +207,7 @@ class EngineArgv:
             dyn = cat["dynamo"]
             env.update(dyn["worker_system_env"])
             env[dyn["worker_system_port_env"]] = port
+            env[dyn["worker_system_host_env"]] = address    # its status server, on the cluster address
             env.update(self.dynamo_discovery_env())
         return {key: str(value) for key, value in env.items()}
 
@@ -219,8 +221,9 @@ class EngineArgv:
         if host is None:
             return None
         ports = self.cat["ports"]
-        argv = ["mooncake_master", f"--rpc_port={ports['mooncake_master']}",
-                f"--metrics_port={ports['mooncake_metrics']}"]
+        # upstream binds both on 0.0.0.0 by default (mooncake_master --helpfull): the cluster address only.
+        argv = ["mooncake_master", f"--rpc_address={host.address}", f"--rpc_port={ports['mooncake_master']}",
+                f"--metrics_host={host.address}", f"--metrics_port={ports['mooncake_metrics']}"]
         self.r.emit_check("mooncake_master", argv[1:])
         return {"host": host.name, "address": host.address, "port": ports["mooncake_master"],
                 "metrics_port": ports["mooncake_metrics"], "unit": "k31-mooncake-master", "argv": argv}
@@ -233,13 +236,14 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
     cfg = cat["router"]
     if r.router == "dynamo":
         dyn = cat["dynamo"]
-        argv = [*dyn["frontend"], "--http-host", cfg["bind_host"], "--http-port", str(cat["ports"]["router"]),
+        argv = [*dyn["frontend"], "--http-host", host.public_address, "--http-port", str(cat["ports"]["router"]),
                 "--router-mode", dyn["router_mode"], "--router-session-affinity-ttl-secs",
                 str(r.knob("dynamo_session_affinity_ttl", dyn["session_affinity_ttl_secs"])),
                 "--discovery-backend", dyn["discovery_backend"], "--event-plane", dyn["event_plane"]]
         r.emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
         env = EngineArgv(r).dynamo_discovery_env()
-        return {"kind": "dynamo", "host": host.name, "address": host.address, "port": cat["ports"]["router"],
+        return {"kind": "dynamo", "host": host.name, "address": host.address,
+                "public_address": host.public_address, "port": cat["ports"]["router"],
                 "unit": "k31-dynamo-frontend", "argv": argv, "env": env,
                 "discovery": {"etcd_port": cat["ports"]["etcd"], "nats_port": cat["ports"]["nats"]}}
     dialect = cfg["dialects"][r.dialect]
@@ -258,7 +262,7 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
                 argv += ["--decode", worker_url(s)]
     else:
         argv += ["--worker-urls", *(worker_url(s) for s in servers)]
-    argv += ["--host", cfg["bind_host"], "--port", str(cat["ports"]["router"]), "--policy", cfg["policy"]]
+    argv += ["--host", host.public_address, "--port", str(cat["ports"]["router"]), "--policy", cfg["policy"]]
     if dialect["model_flags"]:
         argv += ["--model-id", cat["model"]["name"]]
         model_path = r.knob("model_path")
@@ -266,9 +270,10 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
             argv += ["--tokenizer-path", f"{model_path.rstrip('/')}/tokenizer.json"]
     argv += ["--request-timeout-secs", str(cfg["request_timeout_secs"])]
     if dialect["metrics_flags"]:
-        argv += ["--prometheus-host", cfg["bind_host"], "--prometheus-port", str(cat["ports"]["router_metrics"])]
+        argv += ["--prometheus-host", host.address, "--prometheus-port", str(cat["ports"]["router_metrics"])]
     launcher_len = len(dialect["launcher"])
     r.emit_check("router", argv[launcher_len:])
     return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,
-            "port": cat["ports"]["router"], "unit": "k31-router", "argv": argv, "env": dict(cfg["env"]),
+            "public_address": host.public_address, "port": cat["ports"]["router"], "unit": "k31-router",
+            "argv": argv, "env": dict(cfg["env"]),
             "metrics_port": cat["ports"]["router_metrics"] if dialect["metrics_flags"] else None}

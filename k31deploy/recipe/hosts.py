@@ -30,7 +30,7 @@ K31_GROUPS = (*ENGINE_GROUPS.values(), ROUTER_GROUP, MOONCAKE_GROUP)
 # role's meta/argument_specs.yml, all entry points) and the few the playbooks read themselves. Anything
 # else named k31_* is a typo and is refused, as a typo'd knob is: `k31_router_api_kye` would otherwise
 # leave the router without its key.
-LAYOUT_VARS = ("k31_server", "k31_node_rank")
+LAYOUT_VARS = ("k31_server", "k31_node_rank", "k31_cluster_address", "k31_public_address")
 PLAYBOOK_VARS = {
     "k31_reboot_ok": "playbooks/prepare.yml",
     "k31_teardown_confirm": "playbooks/teardown.yml",
@@ -62,21 +62,59 @@ def role_variables() -> dict[str, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Host:
+    """An inventory host. `address` is its cluster (backend) address: what internal services bind and
+    reach each other on (k31_cluster_address, default ansible_host, default the name). `public` is where
+    the router or Dynamo frontend takes clients (k31_public_address, default the cluster address)."""
+
     name: str
     address: str
     groups: tuple[str, ...]
     vars: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    public: str = ""
 
     @property
     def server(self) -> str:
         return str(self.vars.get("k31_server") or self.name)
 
+    @property
+    def public_address(self) -> str:
+        return self.public or self.address
+
 
 def from_mapping(name: str, groups: list[str] | tuple[str, ...], hostvars: dict[str, Any]) -> Host:
     """Build a Host from Ansible-style data (inventory API or the filter plugin's hostvars)."""
-    address = str(hostvars.get("ansible_host") or name)
+    address = str(hostvars.get("k31_cluster_address") or hostvars.get("ansible_host") or name)
     kept = {k: v for k, v in hostvars.items() if k.startswith("k31_") or k == "ansible_host"}
-    return Host(name=name, address=address, groups=tuple(g for g in groups if g in K31_GROUPS), vars=kept)
+    return Host(name=name, address=address, groups=tuple(g for g in groups if g in K31_GROUPS), vars=kept,
+                public=str(hostvars.get("k31_public_address") or ""))
+
+
+def resolved(hosts: list[Host]) -> list[Host]:
+    """The hosts with their cluster and public addresses as IPs, as a deploy needs them (etcd binds
+    only to an IP, firewall rules match IPs): names resolve on the controller, once."""
+    import socket
+
+    cache_: dict[str, str] = {}
+
+    def ip(host: Host, setting: str, text: str) -> str:
+        if not text or validate.is_ip(text):
+            return text
+        if text not in cache_:
+            try:
+                cache_[text] = socket.getaddrinfo(text, None, proto=socket.IPPROTO_TCP)[0][4][0]
+            except OSError as exc:
+                raise K31Error(
+                    f"{setting} of host {host.name} is {text}, which does not resolve on the controller "
+                    f"({exc.strerror or exc}); set {setting} to the host's IP address"
+                ) from None
+        return cache_[text]
+
+    out = []
+    for h in hosts:
+        cluster = "k31_cluster_address" if "k31_cluster_address" in h.vars else "ansible_host"
+        out.append(Host(h.name, ip(h, cluster, h.address), h.groups, h.vars,
+                        ip(h, "k31_public_address", h.public)))
+    return out
 
 
 def check_hosts(hosts: list[Host]) -> None:
@@ -85,9 +123,15 @@ def check_hosts(hosts: list[Host]) -> None:
     for host in hosts:
         validate.host_name(host.name)
         if "ansible_host" in host.vars:
-            validate.address("ansible_host", host.address, f"host {host.name}")
-        else:
+            validate.address("ansible_host", str(host.vars["ansible_host"]), f"host {host.name}")
+        for var in ("k31_cluster_address", "k31_public_address"):
+            if host.vars.get(var):
+                validate.address(var, str(host.vars[var]), f"host {host.name}")
+        if "ansible_host" not in host.vars and "k31_cluster_address" not in host.vars:
             validate.address(f"host {host.name}", host.address, "its name: no ansible_host is set")
+        if host.public and ROUTER_GROUP not in host.groups:
+            raise K31Error(f"k31_public_address is set on host {host.name}, which is not in {ROUTER_GROUP}; only "
+                           f"the router or Dynamo frontend takes clients on a public address")
         if any(g in ENGINE_GROUPS.values() for g in host.groups):
             name = validate.server_name(host.server, host.name)
             if name in RESERVED_SERVER_NAMES:

@@ -63,12 +63,14 @@ class Server:
 
 
 def resolve(knobs: dict[str, Any] | None = None, hosts: list[Host] | None = None, *,
-            require_image: bool = False, engine_check: bool = True) -> dict[str, Any]:
+            require_image: bool = False, engine_check: bool = True, resolve_names: bool = False) -> dict[str, Any]:
     """Resolve knobs (typed or strings) and an optional host layout into a plan (JSON contract).
 
     engine_check=False leaves out the engine lane's verdicts (what the lane's own case list uses).
+    resolve_names=True turns inventory host names into the IPs services bind to, as a deploy does.
     """
-    return _Resolver(knobs or {}, hosts, require_image, engine_check=engine_check).run()
+    return _Resolver(knobs or {}, hosts, require_image, engine_check=engine_check,
+                     resolve_names=resolve_names).run()
 
 
 def layout_text(layout: dict[str, int]) -> str:
@@ -79,7 +81,8 @@ def layout_text(layout: dict[str, int]) -> str:
 
 class _Resolver:
     def __init__(self, knobs: dict[str, Any], hosts: list[Host] | None, require_image: bool, *,
-                 engine_check: bool = True):
+                 engine_check: bool = True, resolve_names: bool = False):
+        self.resolve_names = resolve_names
         self.cat = catalog()
         self.with_lane = engine_check
         self.inventory = hosts
@@ -268,6 +271,8 @@ class _Resolver:
                                          router=self.router != "none", mooncake=mooncake)
         hostlib.check_memberships(hosts)
         hostlib.check_unique_servers([g for role in ROLES for g in hostlib.group_servers(hosts, role)])
+        if self.resolve_names and self.inventory is not None:    # after the layout checks: they say more
+            hosts = hostlib.resolved(hosts)
         for role in ROLES:
             grouped = hostlib.group_servers(hosts, role)
             if role not in layouts:

@@ -55,6 +55,14 @@ ADDRESS_VALID = ("a hostname (labels of 1-63 letters, digits, '-' or '_', joined
                  "or an IPv6 address without brackets or zone")
 
 
+def is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def address(setting: str, value: Any, where: str = "") -> str:
     """A host address as ssh, URLs and sockets take it: hostname, IPv4 or IPv6 (bare)."""
     text = str(value)

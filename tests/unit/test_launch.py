@@ -76,7 +76,7 @@ def test_venv_and_standin_replace_only_the_interpreter_or_module():
 def test_host_ranks_endpoint_and_metrics_targets():
     plan = resolve(MI_PD)
     (mine,) = launch.host_ranks(plan, "node1")
-    assert mine["server"]["role"] == "decode" and mine["health_url"] == "http://127.0.0.1:30100/health"
+    assert mine["server"]["role"] == "decode" and mine["health_url"] == "http://node1:30100/health"
     assert "ranks" not in mine["server"] and mine["rank"]["unit"] == "k31-decode0-r0"
     assert launch.endpoint(plan) == "http://node0:8000/v1"
     assert launch.endpoint(resolve({"platform": "mi355x", "agents": 16})) == "http://node0:30000/v1"

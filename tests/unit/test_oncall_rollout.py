@@ -88,8 +88,10 @@ def test_steps_carry_the_url_the_router_knows_the_server_by():
     assert d0["worker_url"] in router_argv and p0["worker_url"] in router_argv
     assert (d0["worker_type"], d0["bootstrap_port"]) == ("decode", None)
     assert (p0["worker_type"], p0["bootstrap_port"]) == ("prefill", 8998)
-    assert d0["health_url"] == "http://127.0.0.1:30100/health" and d0["units"] == ["k31-d0-r0"]
-    assert r["router"]["host"] == "r0" and r["router"]["url"] == "http://127.0.0.1:8000"
+    # probed where each binds: the engine's cluster address, the router's public one
+    d0_addr = next(s for s in plan["servers"] if s["name"] == "d0")["ranks"][0]["address"]
+    assert d0["health_url"] == f"http://{d0_addr}:30100/health" and d0["units"] == ["k31-d0-r0"]
+    assert r["router"]["host"] == "r0" and r["router"]["url"] == f"http://{plan['router']['public_address']}:8000"
 
 
 @pytest.mark.parametrize(("targets", "batch", "match"), [

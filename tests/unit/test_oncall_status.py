@@ -50,11 +50,14 @@ def fake_runner(answers, seen):
     return run
 
 
-def test_each_host_probes_its_own_units_on_loopback():
-    specs = gather.host_specs(plan())
-    assert specs["d0"]["units"] == {"k31-d0-r0": {"health": "http://127.0.0.1:30100/health"}}
-    assert specs["r0"]["units"]["k31-router"] == {"readiness": "http://127.0.0.1:8000/readiness",
-                                                  "workers": "http://127.0.0.1:8000/workers"}
+def test_each_host_probes_its_own_units_where_they_bind():
+    p = plan()
+    d0 = next(s for s in p["servers"] if s["name"] == "d0")["ranks"][0]["address"]
+    specs = gather.host_specs(p)
+    assert specs["d0"]["units"] == {"k31-d0-r0": {"health": f"http://{d0}:30100/health"}}
+    public = p["router"]["public_address"]
+    assert specs["r0"]["units"]["k31-router"] == {"readiness": f"http://{public}:8000/readiness",
+                                                  "workers": f"http://{public}:8000/workers"}
     assert gather.plan_hosts(plan()) == ["p0", "d0", "d1", "r0"]
 
 

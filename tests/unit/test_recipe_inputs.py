@@ -210,8 +210,53 @@ def test_filter_plugin_gives_the_cli_plan(capsys):
               "k31_draft_model_path": "/models/Kimi-K3.1-Dflash2-Preview", "k31_image": "<K31_MI35X_IMAGE>",
               "inventory_hostname": "ignored"}
     hostvars = {h: {**common, "ansible_host": f"{h}.cluster.internal"} for h in groups["all"]}
-    from_filter = k31_plan(groups, hostvars)
+    # `k31 plan -i` keeps names as written; a deploy's filter turns them into IPs (below)
+    from_filter = k31_plan(groups, hostvars, resolve_names=False)
     _, out, _ = run_cli(capsys, "plan", "-i", str(ROOT / "inventories/mi355x-1p1d/hosts.ini"), "--json")
     assert from_filter == json.loads(out)
-    assert k31_plan(groups, hostvars, {"transfer_backend": "nixl"}, on_error="return")["error"].startswith(
-        "transfer_backend=nixl is rejected by DCP")
+    assert k31_plan(groups, hostvars, {"transfer_backend": "nixl"}, on_error="return",
+                    resolve_names=False)["error"].startswith("transfer_backend=nixl is rejected by DCP")
+
+
+def test_a_deploy_binds_ips_its_names_resolve_to_and_refuses_one_that_does_not(monkeypatch):
+    """etcd binds only to an IP and firewall rules match IPs: a deploy's plan (the validate play's filter,
+    `k31 plan --deploy`) turns host names into addresses once, on the controller."""
+    import socket
+
+    from k31deploy.recipe import from_mapping
+
+    names = {"gpu-a.cluster": "10.9.0.1", "gpu-b.cluster": "10.9.0.2", "edge.example": "192.0.2.7"}
+
+    def fake(host, *args, **kwargs):
+        if host not in names:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (names[host], 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    hosts = [from_mapping("a", ["k31_prefill"], {"ansible_host": "gpu-a.cluster"}),
+             from_mapping("b", ["k31_decode"], {"ansible_host": "10.0.0.2", "k31_cluster_address": "gpu-b.cluster"}),
+             from_mapping("r", ["k31_router"], {"ansible_host": "10.0.0.3", "k31_public_address": "edge.example"})]
+    knobs = {"platform": "mi355x", "agents": 92}
+    plan = resolve(knobs, hosts, resolve_names=True)
+    assert [s["ranks"][0]["address"] for s in plan["servers"]] == ["10.9.0.1", "10.9.0.2"]
+    assert (plan["router"]["address"], plan["router"]["public_address"]) == ("10.0.0.3", "192.0.2.7")
+    argv = plan["router"]["argv"]
+    assert argv[argv.index("--host") + 1] == "192.0.2.7" and argv[argv.index("--prometheus-host") + 1] == "10.0.0.3"
+    assert "--prefill" in argv and argv[argv.index("--prefill") + 1] == "http://10.9.0.1:30000"
+    as_written = resolve(knobs, hosts)
+    assert as_written["servers"][0]["ranks"][0]["address"] == "gpu-a.cluster"
+    hosts[0] = from_mapping("a", ["k31_prefill"], {"ansible_host": "gpu-a.nowhere"})
+    with pytest.raises(K31Error, match=r"^ansible_host of host a is gpu-a.nowhere, which does not resolve on the "
+                                       r"controller \(Name or service not known\); set ansible_host to the host's "
+                                       r"IP address$"):
+        resolve(knobs, hosts, resolve_names=True)
+
+
+def test_public_address_is_for_the_router_host_only():
+    from k31deploy.recipe import from_mapping
+
+    hosts = [from_mapping("a", ["k31_prefill"], {"ansible_host": "10.0.0.1", "k31_public_address": "192.0.2.1"}),
+             from_mapping("b", ["k31_decode"], {"ansible_host": "10.0.0.2"}),
+             from_mapping("r", ["k31_router"], {"ansible_host": "10.0.0.3"})]
+    with pytest.raises(K31Error, match="k31_public_address is set on host a, which is not in k31_router"):
+        resolve({"platform": "mi355x", "agents": 92}, hosts)

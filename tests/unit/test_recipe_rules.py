@@ -350,7 +350,8 @@ def test_seed_sgl_router_command():
     assert r["dialect"] == "sgl-router" and r["env"] == {"SGLANG_ROUTER_STREAM_IDLE_TIMEOUT_SECS": "3600"}
     args = r["argv"]
     assert args[:2] == ["sgl-router", "--pd-disaggregation"]
-    assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "8000"
+    # the seed binds 0.0.0.0; k31 the router host's public address (here its placeholder name)
+    assert flag(args, "--host") == "node0" and flag(args, "--port") == "8000"
     assert flag(args, "--policy") == "power_of_two" and flag(args, "--request-timeout-secs") == "540"
     assert flag(args, "--model-id") == "moonshotai/Kimi-K3.1-Pro"
     assert flag(args, "--tokenizer-path") == "/models/Kimi-K3.1-Pro/tokenizer.json"
@@ -361,7 +362,7 @@ def test_seed_sgl_router_command():
 def test_pypi_launch_router_dialect_sets_metrics_listener_explicitly():
     r = plan(platform="mi355x", agents=92)["router"]
     assert r["dialect"] == "launch_router"
-    assert flag(r["argv"], "--prometheus-host") == "0.0.0.0" and flag(r["argv"], "--prometheus-port") == "29000"
+    assert flag(r["argv"], "--prometheus-host") == "node0" and flag(r["argv"], "--prometheus-port") == "29000"
     assert "--model-id" not in r["argv"]
 
 
