@@ -141,6 +141,26 @@ def renewal_reason(cert_pem: str | None, ca_cert_pem: str, names: list[str],
     return None
 
 
+def derived_secret(ca_key_pem: str, purpose: str) -> str:
+    """A secret for `purpose` (the NATS token) derived from the CA key: nothing more to keep in the vault,
+    and rotating the CA rotates it too. HMAC-SHA256 of the purpose under a hash of the key's PEM."""
+    import hashlib
+    import hmac
+
+    key = hashlib.sha256(str(ca_key_pem).encode()).digest()
+    return hmac.new(key, f"k31:{purpose}".encode(), hashlib.sha256).hexdigest()
+
+
+def host_names(plan: dict, host: str) -> list[str]:
+    """The subject alternative names of `host`'s certificate: every address the plan gives the host
+    (cluster; public on the router host), its inventory name, and loopback for local clients."""
+    found = [r["address"] for s in plan["servers"] for r in s["ranks"] if r["host"] == host]
+    for other in (plan.get("router"), plan.get("mooncake_master")):
+        if other and other["host"] == host:
+            found += [other["address"], other.get("public_address") or other["address"]]
+    return list(dict.fromkeys([*found, host, "127.0.0.1", "::1"]))
+
+
 def matches(key_pem: str, cert_pem: str) -> bool:
     """Whether a private key belongs to a certificate."""
     try:

@@ -208,13 +208,21 @@ class EngineArgv:
             env.update(dyn["worker_system_env"])
             env[dyn["worker_system_port_env"]] = port
             env[dyn["worker_system_host_env"]] = address    # its status server, on the cluster address
-            env.update(self.dynamo_discovery_env())
+            env.update(self.dynamo_discovery_env(address))
+            env["DYN_TCP_RPC_PORT"] = cat["ports"]["dynamo_request"]
         return {key: str(value) for key, value in env.items()}
 
-    def dynamo_discovery_env(self) -> dict[str, str]:
+    def dynamo_discovery_env(self, address: str) -> dict[str, str]:
+        """How a Dynamo process on `address` reaches etcd (a password, in its env file) and NATS (TLS),
+        and where its request/response-plane and event-plane listeners bind: mutual TLS with the host's
+        cluster certificate."""
         host = self.r.router_host.address
-        ports = self.cat["ports"]
-        return {"ETCD_ENDPOINTS": url("http", host, ports["etcd"]), "NATS_SERVER": url("nats", host, ports["nats"])}
+        ports, pki, dyn = self.cat["ports"], self.cat["pki"], self.cat["dynamo"]
+        env = {"ETCD_ENDPOINTS": url("http", host, ports["etcd"]), "ETCD_AUTH_USERNAME": dyn["etcd_user"],
+               "NATS_SERVER": url("tls", host, ports["nats"]),
+               "DYN_TCP_RPC_HOST": address, "DYN_TCP_RESPONSE_STREAM_HOST": address, "DYN_EVENT_PLANE_HOST": address}
+        env.update({key: pki[part] for key, part in dyn["client_tls_env"].items()})
+        return env
 
     def mooncake_master(self) -> dict[str, Any] | None:
         host = self.r.mooncake_host
@@ -241,11 +249,14 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
                 str(r.knob("dynamo_session_affinity_ttl", dyn["session_affinity_ttl_secs"])),
                 "--discovery-backend", dyn["discovery_backend"], "--event-plane", dyn["event_plane"]]
         r.emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
-        env = EngineArgv(r).dynamo_discovery_env()
+        env = EngineArgv(r).dynamo_discovery_env(host.address)
+        env["DYN_TCP_RESPONSE_STREAM_PORT"] = str(cat["ports"]["dynamo_response"])
+        env.update({key: cat["pki"][part] for key, part in dyn["frontend_tls_env"].items()})
         return {"kind": "dynamo", "host": host.name, "address": host.address,
                 "public_address": host.public_address, "port": cat["ports"]["router"],
                 "unit": "k31-dynamo-frontend", "argv": argv, "env": env,
-                "discovery": {"etcd_port": cat["ports"]["etcd"], "nats_port": cat["ports"]["nats"]}}
+                "discovery": {"etcd_port": cat["ports"]["etcd"], "nats_port": cat["ports"]["nats"],
+                              "etcd_user": dyn["etcd_user"]}}
     dialect = cfg["dialects"][r.dialect]
     argv = list(dialect["launcher"])
 

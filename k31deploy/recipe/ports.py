@@ -56,6 +56,9 @@ def listeners(r: _Resolver, plan: dict[str, Any]) -> list[Listener]:
             if dynamo:
                 found.append(Listener(host, addr, s["port"], "dynamo-worker",
                                       f"{name} rank {n}: Dynamo worker status and /health (DYN_SYSTEM_PORT)"))
+                if n == 0:
+                    found.append(Listener(host, addr, ports["dynamo_request"], "dynamo-request-plane",
+                                          f"{name}: requests from the Dynamo frontend (mutual TLS, DYN_TCP_RPC_PORT)"))
             elif n == 0:
                 found.append(Listener(host, addr, s["port"], "sglang",
                                       f"{name} ({s['role']}): OpenAI API, /health and /metrics of rank 0"))
@@ -78,6 +81,8 @@ def listeners(r: _Resolver, plan: dict[str, Any]) -> list[Listener]:
         if dynamo:
             found.append(Listener(host, addr, router["port"], "dynamo-frontend",
                                   "Dynamo frontend: OpenAI API for clients, /health and /metrics"))
+            found.append(Listener(host, addr, ports["dynamo_response"], "dynamo-response-plane",
+                                  "Dynamo frontend: response streams from the workers (mutual TLS)"))
             found.append(Listener(host, addr, router["discovery"]["etcd_port"], "etcd",
                                   "Dynamo discovery the workers register in (ETCD_ENDPOINTS)"))
             found.append(Listener(host, addr, router["discovery"]["nats_port"], "nats",

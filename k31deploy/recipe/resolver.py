@@ -554,6 +554,8 @@ class _Resolver:
             "servers": servers,
             "router": router_plan(self, servers),
             "mooncake_master": engine.mooncake_master(),
+            # the cluster CA's files (k31 pki) wherever a control plane authenticates by certificate
+            "pki": dict(self.cat["pki"]) if self.router == "dynamo" else None,
             "warnings": self.warnings,
         }
         listening = ports.listeners(self, plan)

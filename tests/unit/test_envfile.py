@@ -180,6 +180,8 @@ def template_context(plan: dict, env: dict[str, str], runtime: str = "container"
         "k31_engine_extra_env": {}, "k31_engine_hf_token": "", "k31_engine_runtime": runtime,
         "k31_engine_etc_dir": "/etc/k31", "k31_engine_standin_load_seconds": 1, "k31_engine_standin_model_dir": "/m",
         "k31_dynamo_plan": {"env": env}, "k31_dynamo_runtime": runtime, "k31_dynamo_state_dir": "/var/lib/k31/dynamo",
+        "k31_dynamo_nats_token": "t" * 64, "k31_dynamo_etcd_password": "p" * 64,
+        "k31_engine_nats_token": "t" * 64, "k31_engine_etcd_password": "p" * 64,
         "k31_router_plan": {"env": env}, "k31_router_runtime": runtime, "k31_router_api_key": "",
         "k31_mnnvl_env": env, "k31_mnnvl_addresses": ["10.0.0.1", "10.0.0.2"], "inventory_hostname": "t0",
         "k31_model_env": env, "k31_model_items": [{"dest": "/models/k31"}],

@@ -54,7 +54,8 @@ def test_the_table_names_every_service_and_its_purpose():
     assert "MOONCAKE_MASTER" in purposes[("node0", 50051)]
     dynamo = resolve(GB300_PD)
     assert listening(dynamo, "node0") == {2379: "etcd", 4222: "nats", 8000: "dynamo-frontend", 8998: "sglang-bootstrap",
-                                          20000: "torch-dist-init", 30000: "dynamo-worker"}
+                                          20000: "torch-dist-init", 29100: "dynamo-request-plane",
+                                          29101: "dynamo-response-plane", 30000: "dynamo-worker"}
 
 
 def test_dp_attention_reserves_the_ports_after_dist_init():
