@@ -259,3 +259,14 @@ def test_the_engine_script_echoes_no_command_into_a_comment(tmp_path):
     assert not pwned.exists()
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
     assert argv[-2:] == ["--served-model-name", f"m\ntouch {pwned}\n"] and argv[0] == "run"
+
+
+def test_dynamo_workers_env_files_carry_their_control_plane_secrets_and_others_none():
+    engine = ROOT / "roles/k31_engine/templates/engine.env.j2"
+    dynamo = resolve({"platform": "b300", "topology": "pd", "prefill_strategy": "low-latency",
+                      "max_running_requests": 8})
+    rank_env = dynamo["servers"][0]["ranks"][0]["env"]
+    read = systemd_read(render(engine, **template_context(dynamo, rank_env)))
+    assert read["NATS_AUTH_TOKEN"] == "t" * 64 and read["ETCD_AUTH_PASSWORD"] == "p" * 64
+    sglang = systemd_read(render(engine, **template_context(PLAN, PLAN["servers"][0]["ranks"][0]["env"])))
+    assert not {"NATS_AUTH_TOKEN", "ETCD_AUTH_PASSWORD"} & set(sglang)

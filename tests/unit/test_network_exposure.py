@@ -1,0 +1,68 @@
+"""Issue: every service bound to the right network, every control plane authenticated (plan side)."""
+
+from __future__ import annotations
+
+from recipe_helpers import flag
+
+from k31deploy import pki
+from k31deploy.recipe import from_mapping, resolve
+
+
+def hosts(router_public: str = "192.0.2.9"):
+    return [from_mapping("p0", ["k31_prefill"], {"ansible_host": "10.0.0.1", "k31_cluster_address": "10.8.0.1"}),
+            from_mapping("d0", ["k31_decode"], {"ansible_host": "10.0.0.2", "k31_cluster_address": "10.8.0.2"}),
+            from_mapping("r0", ["k31_router", "k31_mooncake_master"],
+                         {"ansible_host": "10.0.0.9", "k31_cluster_address": "10.8.0.9",
+                          "k31_public_address": router_public})]
+
+
+def test_internal_services_bind_the_cluster_address_and_only_the_router_the_public_one():
+    plan = resolve({"platform": "mi355x", "agents": 92}, hosts())
+    for server in plan["servers"]:
+        rank = server["ranks"][0]
+        assert flag(rank["argv"], "--host") == rank["address"] == {"prefill": "10.8.0.1", "decode": "10.8.0.2"}[
+            server["role"]]
+    router = plan["router"]["argv"]
+    assert flag(router, "--host") == "192.0.2.9" and flag(router, "--prometheus-host") == "10.8.0.9"
+    assert flag(router, "--prefill") == "http://10.8.0.1:30000"        # workers reached on the cluster network
+    assert "0.0.0.0" not in " ".join(router)
+
+
+def test_mooncake_master_binds_rpc_and_metrics_to_the_cluster_address():
+    plan = resolve({"platform": "b300", "topology": "pd", "kv_offload": "mooncake", "router": "sglang",
+                    "router_dialect": "launch_router", "prefill_strategy": "low-latency",
+                    "max_running_requests": 8}, hosts())
+    assert plan["mooncake_master"]["argv"] == ["mooncake_master", "--rpc_address=10.8.0.9", "--rpc_port=50051",
+                                               "--metrics_host=10.8.0.9", "--metrics_port=9003"]
+
+
+def test_dynamo_processes_authenticate_every_control_plane():
+    plan = resolve({"platform": "b300", "topology": "pd", "prefill_strategy": "low-latency",
+                    "max_running_requests": 8}, hosts())
+    assert plan["router"]["kind"] == "dynamo" and plan["pki"]["cert"] == "/etc/k31/pki/host.crt"
+    worker = plan["servers"][0]["ranks"][0]["env"]
+    assert worker["NATS_SERVER"] == "tls://10.8.0.9:4222" and worker["NATS_TLS_CLIENT_CERT_PATH"] == plan["pki"]["cert"]
+    assert worker["ETCD_ENDPOINTS"] == "http://10.8.0.9:2379" and worker["ETCD_AUTH_USERNAME"] == "k31"
+    assert (worker["DYN_TCP_RPC_HOST"], worker["DYN_TCP_RPC_PORT"]) == ("10.8.0.1", "29100")
+    assert worker["DYN_TCP_TLS_CLIENT_CA_CERT_PATH"] == plan["pki"]["ca"]       # the request plane wants certs
+    assert worker["DYN_SYSTEM_HOST"] == "10.8.0.1"
+    frontend = plan["router"]["env"]
+    assert frontend["DYN_TLS_CLIENT_CA_CERT_PATH"] == plan["pki"]["ca"]        # clients need a certificate
+    assert frontend["DYN_TCP_RESPONSE_STREAM_PORT"] == "29101"
+    assert flag(plan["router"]["argv"], "--http-host") == "192.0.2.9"
+    for env in (worker, frontend):    # secrets never in the plan: they go to 0600 env files
+        assert not {"NATS_AUTH_TOKEN", "ETCD_AUTH_PASSWORD"} & set(env)
+
+
+def test_sglang_router_plans_need_no_cluster_ca():
+    assert resolve({"platform": "mi355x", "agents": 92})["pki"] is None
+
+
+def test_certificates_name_what_each_host_is_reached_by_and_secrets_derive_per_purpose():
+    plan = resolve({"platform": "mi355x", "agents": 92}, hosts())
+    assert pki.host_names(plan, "r0") == ["10.8.0.9", "192.0.2.9", "r0", "127.0.0.1", "::1"]
+    assert pki.host_names(plan, "p0") == ["10.8.0.1", "p0", "127.0.0.1", "::1"]
+    key = pki.new_ca().key
+    assert pki.derived_secret(key, "nats-token") == pki.derived_secret(key, "nats-token")
+    assert len({pki.derived_secret(key, p) for p in ("nats-token", "etcd-password", "etcd-root-password")}) == 3
+    assert pki.derived_secret(pki.new_ca().key, "nats-token") != pki.derived_secret(key, "nats-token")
