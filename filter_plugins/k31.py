@@ -58,7 +58,8 @@ def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str,
     """The command a rank's unit runs for the host's runtime (container, venv or the stand-in)."""
     try:
         return launch.engine_command(plan, rank, runtime, env_file=env_file, container_cli=container_cli,
-                                     venv=venv, mounts=launch.model_mounts(plan), extra_flags=extra_flags)
+                                     venv=venv, mounts=launch.model_mounts(plan) + launch.rank_mounts(plan, rank),
+                                     extra_flags=extra_flags)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 

@@ -84,6 +84,15 @@ def model_mounts(plan: dict[str, Any]) -> list[str]:
     return [f"{p}:{p}:ro" for p in paths if isinstance(p, str) and p.startswith("/")]
 
 
+def rank_mounts(plan: dict[str, Any], rank: dict[str, Any]) -> list[str]:
+    """Files a rank's container reads from its host, read-only at the same path: its key file (--config)
+    and, behind Dynamo, the cluster CA's folder (its TLS certificate and key)."""
+    found = [rank["auth_file"]] if rank.get("auth_file") else []
+    if plan.get("pki"):
+        found.append(plan["pki"]["dir"])
+    return [f"{p}:{p}:ro" for p in found]
+
+
 def endpoint_address(plan: dict[str, Any]) -> tuple[str, int]:
     """(address, port) clients use: the router's or Dynamo frontend's public address, else the first unified
     server's rank 0."""

@@ -19,7 +19,7 @@ from k31deploy.engine.cli import ENGINE_DIR
 
 # Values that differ per site and not per recipe cell: what the digest sees instead.
 PATH_FLAGS = {"--model-path": "<model>", "--speculative-draft-model-path": "<draft>",
-              "--disaggregation-ib-device": "<ib>"}
+              "--disaggregation-ib-device": "<ib>", "--config": "<auth-config>"}
 TPU_NOTE = "the TPU launcher (benchmark.tpu.launch_server) is not sglang.launch_server; the lane does not run it"
 
 

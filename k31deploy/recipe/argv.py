@@ -37,7 +37,8 @@ class EngineArgv:
             elif rank == 0:    # ranks differ only in --node-rank
                 self.r.engine_check(s.name, argv[len(self.launcher()):])
             ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
-                          "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port, host.address)})
+                          "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port, host.address),
+                          "auth_file": self.auth_file(s, rank)})
         return {
             "name": s.name,
             "role": s.role,
@@ -52,6 +53,12 @@ class EngineArgv:
             "monokernel": s.monokernel,
             "ranks": ranks,
         }
+
+    def auth_file(self, s: Server, rank: int) -> str | None:
+        """The 0600 YAML an engine serving HTTP reads its API keys from (None behind Dynamo, or on TPU)."""
+        if self.r.router == "dynamo" or self.r.tpu:
+            return None
+        return self.cat["engine_auth"]["path"].format(unit=f"k31-{s.name}-r{rank}")
 
     def launcher(self) -> list[str]:
         if self.r.router == "dynamo" and not self.r.tpu:
@@ -125,6 +132,8 @@ class EngineArgv:
             "--tool-call-parser": k("tool_call_parser", cat["parsers"]["tool_call"]),
             "--enable-metrics": True,
         })
+        if r.router != "dynamo":    # its HTTP API is authenticated; the keys are in a 0600 file
+            flags[cat["engine_auth"]["flag"]] = self.auth_file(s, rank)
         _extend(argv, flags)
         return argv
 

@@ -62,8 +62,30 @@ def build_parser(flags: dict[str, dict[str, Any]] | None = None) -> argparse.Arg
     return parser
 
 
+def merge_config(argv: list[str]) -> list[str]:
+    """`--config FILE` as SGLang's ConfigArgumentMerger reads it: the YAML's keys (flag names without
+    dashes, `-` or `_`) become flags placed before the command line's, which win."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise SystemExit("error: No config file specified after --config flag!")
+    with open(argv[i + 1], encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    merged: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            merged.append(flag)
+        elif value not in (False, None):
+            merged += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return merged + argv[:i] + argv[i + 2:]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(merge_config(argv))
     if args.served_model_name is None:
         args.served_model_name = args.model_path
     # SGLang 0.5.23 resolves the deprecated `--dp-size N --enable-dp-attention` to `--attn-dp-size N`.

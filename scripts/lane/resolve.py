@@ -31,6 +31,8 @@ import traceback
 
 MODEL_DIR = "/tmp/k31-lane/kimi-k3"
 DRAFT_DIR = "/tmp/k31-lane/kimi-k3-dflash"
+# What k31's engine auth file holds (a 0600 YAML that --config merges): placeholder keys here.
+AUTH_CONFIG = "/tmp/k31-lane/auth.yaml"
 
 # The recipe's shape (seed Tuning notes: SGLANG_PP_LAYER_PARTITION=24,24,24,21 covers 93 layers). Kimi-K3
 # interleaves KDA (linear) layers with an MLA layer every fourth; dims are Kimi-K2's MLA/MoE dims.
@@ -65,12 +67,14 @@ def write_models() -> None:
     draft["linear_attn_config"] = dict(draft["linear_attn_config"], kda_layers=[1], full_attn_layers=[2])
     with open(f"{DRAFT_DIR}/config.json", "w", encoding="utf-8") as fh:
         json.dump(draft, fh)
+    with open(AUTH_CONFIG, "w", encoding="utf-8") as fh:
+        fh.write("api-key: lane-api-key\nadmin-api-key: lane-admin-api-key\n")
 
 
 def concrete(argv: list[str]) -> tuple[list[str], list[str]]:
     """The case's normalised argv with this machine's model directories and a loopback dist-init, and
     notes on what the lane machine cannot check."""
-    subst = {"<model>": MODEL_DIR, "<draft>": DRAFT_DIR, "<addr>": "127.0.0.1"}
+    subst = {"<model>": MODEL_DIR, "<draft>": DRAFT_DIR, "<addr>": "127.0.0.1", "<auth-config>": AUTH_CONFIG}
     out, notes = [], []
     skip = False
     for i, token in enumerate(argv):
