@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+from cmdline_watch import CmdlineWatch
 
 pytestmark = pytest.mark.integration
 
@@ -27,36 +27,6 @@ printf '%s\\n' "$@" > "$K31_FAKE_HF_RECORD.argv"
 sleep 1
 mkdir -p "$dest" && echo '{}' > "$dest/config.json"
 """
-
-
-class CmdlineWatch:
-    """Reads every /proc/<pid>/cmdline of this machine until stopped; keeps those holding `secret`."""
-
-    def __init__(self, secret: str) -> None:
-        self.secret = secret.encode()
-        self.hits: set[str] = set()
-        self.scans = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            for path in Path("/proc").glob("[0-9]*/cmdline"):
-                try:
-                    data = path.read_bytes()
-                except OSError:
-                    continue
-                if self.secret in data:
-                    self.hits.add(data.replace(b"\0", b" ").decode(errors="replace"))
-            self.scans += 1
-
-    def __enter__(self) -> CmdlineWatch:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def files_holding(root: Path, secret: str) -> list[str]:

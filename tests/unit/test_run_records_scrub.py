@@ -133,3 +133,17 @@ def test_k31_logs_writes_each_unit_0600_into_a_0700_folder(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE(path.parent.parent.stat().st_mode) == 0o700
+
+
+def test_the_standin_records_that_a_secret_arrived_not_its_value(tmp_path, monkeypatch):
+    from k31deploy.standin import server
+
+    assert server.SECRET_ENV.pattern == records.SECRET_NAME.pattern
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("SGLANG_USE_AITER", "1")
+    out = tmp_path / "k31-decode0-r0.standin.json"
+    server.record(["--port", "30100"], str(out))
+    recorded = json.loads(out.read_text())
+    assert recorded["env"]["HF_TOKEN"] == "<redacted>" and recorded["env"]["SGLANG_USE_AITER"] == "1"
+    assert TOKEN not in out.read_text()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
