@@ -144,15 +144,21 @@ def unlogged() -> list[str]:
     return out
 
 
+def whole_results(text: str, names: set[str]) -> set[str]:
+    """Registered results `text` loops over whole: `x` or `x.results` (items are module results, arguments
+    and all); `x.stdout_lines` or `x.json.workers` are only what the module returned."""
+    return {n for n in names if re.search(rf"(?<![\w.]){re.escape(n)}(\.results)?(?![\w.\[])", text)}
+
+
 def looped_results() -> list[str]:
-    """-vvv prints every loop item; a loop over the registered result of a task that handed over a secret
-    prints that result, module arguments (stdin, headers) included."""
+    """-vvv prints every loop item; a loop over the registered results of a task that handed over a secret
+    prints them, module arguments (stdin, headers) included."""
     results = {task["register"] for _, task, path in all_tasks() if task.get("register") and handed_over(task, path)}
     out = []
     for where, task, _ in all_tasks():
         loop = yaml.safe_dump({k: v for k, v in task.items() if k == "loop" or k.startswith("with_")})
-        if (used := refers(loop, results)) and task.get("no_log") is None:
-            out.append(f"{where} loops over {sorted(used)}, the result of a task that handed over a secret")
+        if (used := whole_results(loop, results)) and task.get("no_log") is None:
+            out.append(f"{where} loops over {sorted(used)}, the results of a task that handed over a secret")
     return out
 
 
@@ -177,3 +183,8 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     assert handed_over(bad_header, tmp_path / "x.yml") == {"_k31_redeploy_headers"}
     only_condition = {"name": "c", "ansible.builtin.debug": {"msg": "hi"}, "when": "k31_router_api_key | length > 0"}
     assert handed_over(only_condition, tmp_path / "x.yml") == set()
+    names = {"k31_model_download"}
+    assert whole_results("{{ k31_model_download.results }}", names) == names
+    assert whole_results("{{ k31_model_download }}", names) == names
+    assert whole_results("{{ k31_model_download.stdout_lines }}", names) == set()
+    assert whole_results("{{ k31_model_download.results[0].stdout_lines }}", names) == set()
