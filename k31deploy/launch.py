@@ -132,17 +132,34 @@ def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 
 def service_command(argv: list[str], runtime: str, *, unit: str, image: str | None, venv: str,
-                    container_cli: str = "docker", env_file: str | None = None) -> list[str]:
+                    container_cli: str = "docker", env_file: str | None = None,
+                    secret_flags: dict[str, str] | None = None,
+                    secret_exec: str = "/usr/local/lib/k31/k31-secret-exec.py") -> list[str]:
     """The router, Dynamo frontend or Mooncake master command for the host's runtime: the serving
     image with host networking, or the same program from a venv (a Python module through the venv's
-    interpreter, a binary from the venv's bin/)."""
+    interpreter, a binary from the venv's bin/).
+
+    `secret_flags` ({flag: environment variable}) are flags whose values are secrets the program takes
+    only on its command line (sglang-router's --api-key). They never go into argv, where /proc/<pid>/cmdline
+    shows them to every local user: the program starts through `secret_exec` (roles/k31_router/files/
+    k31-secret-exec.py), which reads each value from the environment (the unit's 0600 env file) and adds
+    the flag in-process. Only a Python module can be started that way; a binary is refused.
+    """
+    if secret_flags:
+        if argv[:2] != ["python3", "-m"]:
+            flags = ", ".join(secret_flags)
+            raise K31Error(f"{unit}: {argv[0]} takes {flags} only on its command line, where every local user "
+                           f"reads it in /proc/<pid>/cmdline; k31 keeps secrets out of argv only for Python "
+                           f"modules (python3 -m ...), so run a Python entry point or set no secret")
+        pairs = [token for flag, var in secret_flags.items() for token in ("--flag-from-env", flag, var)]
+        argv = ["python3", secret_exec, *pairs, "-m", *argv[2:]]
     if runtime == "venv":
-        if argv[:2] == ["python3", "-m"]:
-            return [f"{venv}/bin/python3", *argv[1:]]
         return [f"{venv}/bin/{argv[0]}", *argv[1:]]
     if runtime != "container":
         raise K31Error(f"{unit}: runtime {runtime} is not valid; valid choices: container, venv")
     if not image or image.startswith("<"):
         raise K31Error(f"image is {image}: set k31_image to the serving image before a deploy")
     env = ["--env-file", env_file] if env_file else []
-    return [container_cli, "run", "--rm", "--name", unit, "--network=host", *env, image, *argv]
+    # The launcher lives on the host; the container sees it read-only at the same path.
+    mounts = ["-v", f"{secret_exec}:{secret_exec}:ro"] if secret_flags else []
+    return [container_cli, "run", "--rm", "--name", unit, "--network=host", *env, *mounts, image, *argv]

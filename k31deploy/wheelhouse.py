@@ -270,6 +270,23 @@ def install(
     return venv
 
 
+def problem(set_name: str, wheelhouse: Path, arch: str) -> str | None:
+    """Why the playbooks could not pack `set_name` out of `wheelhouse` for `arch` nodes, in one sentence naming
+    the command that fixes it; None when every pinned wheel is there. The validate play asks this before any
+    host is touched (k31 wheelhouse pack would otherwise fail on the first host that installs the set)."""
+    if set_name not in SETS:
+        raise K31Error(f"wheelhouse set {set_name!r} is unknown; choose one of {', '.join(SETS)}")
+    fix = f"run `k31 wheelhouse build --set {set_name} --dest {wheelhouse}` (or copy a complete wheelhouse there)"
+    if not wheelhouse.is_dir():
+        return f"wheelhouse {wheelhouse} does not exist; {fix}"
+    pins = set_pins(set_name)
+    missing = missing_pins(pins, wheelhouse, arch)
+    if missing:
+        return (f"wheelhouse {wheelhouse} lacks {len(missing)} of the {len(pins)} pinned {arch} wheels of set "
+                f"{set_name} (first: {missing[0]}); {fix}")
+    return None
+
+
 def set_wheels(set_name: str, wheelhouse: Path, arch: str) -> list[Path]:
     """The wheel files of `wheelhouse` that a set's pins name (the set must be complete)."""
     wanted = {(p.name, Version(p.version)) for p in set_pins(set_name)}

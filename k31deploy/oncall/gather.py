@@ -253,12 +253,15 @@ def logs(plan: dict[str, Any], inventory: list[str], server: str | None, lines: 
         for unit, text in answer.get("logs", {}).items():
             if wanted is None or unit in wanted.get(host, []):
                 fetched.setdefault(unit, {})[host] = text
-    dest.mkdir(parents=True, exist_ok=True)
+    from k31deploy.runner import records
+
+    # Journals can hold what a process printed: root-only, as on the host.
+    records.private_dir(dest)
     files = []
     for unit, by_host in sorted(fetched.items()):
         for host, text in sorted(by_host.items()):
             path = dest / (f"{unit}.log" if len(by_host) == 1 else f"{unit}.{host}.log")
-            path.write_text(text)
+            records.write_private(path, text)
             files.append(str(path))
     missed = {h: a.get("unreachable") or a.get("failed") for h, a in answers.items() if "logs" not in a}
     return {"dest": str(dest), "files": files, "missed": missed}

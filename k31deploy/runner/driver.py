@@ -136,21 +136,23 @@ def runner_env(root: Path) -> dict[str, str]:
 
 @contextmanager
 def sigint_cancels(cancel: threading.Event, view: View) -> Iterator[None]:
-    """The first Ctrl-C asks the runner to stop the playbook; the run still ends with its record written."""
+    """The first Ctrl-C (or a SIGTERM, as CI timeouts and systemd send) asks the runner to stop the playbook;
+    the run still ends with its record written and scrubbed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def on_sigint(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         if not cancel.is_set():
             view.note("cancelling: stopping the playbook; the run record will list what was left undone")
         cancel.set()
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _parent_pid(pid: int) -> int | None:
@@ -203,12 +205,14 @@ def run(req: RunRequest, view: View, cancel: threading.Event | None = None) -> R
     inventories = inventory_paths(req.inventories)
     args = cmdline_args(req)
     keep = records.keep_runs()
+    env = runner_env(root)
+    # Runs whose driver was killed (SIGKILL) before its own scrub are scrubbed before anything else.
+    records.scrub_leftovers(records.runs_dir(), set(env))
     run_dir = records.new_run_dir(req.command)
     records.rotate(run_dir.parent, keep)
     # Only runner settings go in env/: with suppress_env_files the runner writes no extravars or passwords.
     (run_dir / "env").mkdir()
     (run_dir / "env" / "settings").write_text(json.dumps({"pexpect_timeout": CANCEL_POLL_S}))
-    env = runner_env(root)
     cancel = cancel or threading.Event()
     started = datetime.now(UTC)
     t0 = time.monotonic()
@@ -230,22 +234,26 @@ def run(req: RunRequest, view: View, cancel: threading.Event | None = None) -> R
             view_faults.append(f"k31 could not show event {event.get('counter')}: {exc!r}")
         return True
 
-    with sigint_cancels(cancel, view):
-        thread, runner = ansible_runner.run_async(
-            private_data_dir=str(run_dir), ident=run_dir.name, playbook=str(req.playbook), inventory=inventories,
-            project_dir=str(root), envvars=env, extravars=req.k31_vars or None,
-            passwords={VAULT_PROMPT: req.vault_password} if req.vault_password is not None else None,
-            cmdline=shlex.join(args) if args else None, limit=req.limit, tags=req.tags, skip_tags=req.skip_tags,
-            forks=req.forks, verbosity=req.verbosity or None, suppress_env_files=True, quiet=True,
-            # Leave fact caching to ansible.cfg (the shared cache), as ansible-playbook would.
-            fact_cache_type=None,
-            event_handler=on_event, cancel_callback=canceller,
-        )
-        while thread.is_alive():
-            thread.join(0.2)
+    try:
+        with sigint_cancels(cancel, view):
+            thread, runner = ansible_runner.run_async(
+                private_data_dir=str(run_dir), ident=run_dir.name, playbook=str(req.playbook),
+                inventory=inventories, project_dir=str(root), envvars=env, extravars=req.k31_vars or None,
+                passwords={VAULT_PROMPT: req.vault_password} if req.vault_password is not None else None,
+                cmdline=shlex.join(args) if args else None, limit=req.limit, tags=req.tags, skip_tags=req.skip_tags,
+                forks=req.forks, verbosity=req.verbosity or None, suppress_env_files=True, quiet=True,
+                # Leave fact caching to ansible.cfg (the shared cache), as ansible-playbook would.
+                fact_cache_type=None,
+                event_handler=on_event, cancel_callback=canceller,
+            )
+            while thread.is_alive():
+                thread.join(0.2)
+    finally:
+        # Whatever ended the run, an exception in the driver included; a SIGKILL is caught up with by the
+        # next run's scrub_leftovers.
+        records.scrub_run(run_dir, set(env))
     # An interrupted ansible-playbook exits on its own, so the runner may call it failed, not canceled.
     status = "successful" if runner.status == "successful" else "cancelled" if cancel.is_set() else "failed"
-    records.scrub_command_file(run_dir / "artifacts" / run_dir.name, set(env))
     meta.update(finished=datetime.now(UTC).isoformat(), duration=round(time.monotonic() - t0, 3),
                 runner_status=runner.status)
     summary = view.state.summary(meta, rc=runner.rc, status=status)

@@ -8,6 +8,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -25,6 +26,9 @@ from k31deploy.standin.parser import parse_args
 from k31deploy.standin.replies import BadRequest, Reply
 
 WIDE_LOG_LINE = "[k31 wide] first wide step"
+# Environment names whose values the record never holds (the same rule as k31deploy.runner.records.SECRET_NAME,
+# which nodes cannot import): the record shows that HF_TOKEN arrived, not what it is.
+SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|(API|ACCESS|PRIVATE)_?KEY", re.IGNORECASE)
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
@@ -430,12 +434,14 @@ def serve(host: str, port: int, handler: type[BaseHTTPRequestHandler],
 
 
 def record(argv: list[str], path: str | None) -> None:
-    """Write argv and environment for tests and molecule verify (atomically: readers poll for it)."""
+    """Write argv and environment for tests and molecule verify (atomically: readers poll for it), root-only
+    and with secret values (HF_TOKEN ...) replaced by <redacted>."""
     if not path:
         return
+    env = {k: "<redacted>" if SECRET_ENV.search(k) else v for k, v in os.environ.items()}
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"argv": argv, "env": dict(os.environ), "pid": os.getpid()}, fh, indent=1, sort_keys=True)
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as fh:
+        json.dump({"argv": argv, "env": env, "pid": os.getpid()}, fh, indent=1, sort_keys=True)
     os.replace(tmp, path)
 
 

@@ -1,0 +1,293 @@
+"""Role filter: what a run needs before any host is touched, one sentence per problem -- the wheel sets the
+hosts' runtimes install, the serving image's source, and the secrets (Ansible Vault) the roles read.
+
+The validate play runs on localhost, where the other roles' defaults are not in scope: they are read from
+roles/*/defaults/main.yml, and the secrets are the role variables whose argument_specs say no_log.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ansible.errors import AnsibleFilterError
+from ansible.module_utils.parsing.convert_bool import boolean
+
+try:
+    from k31deploy import wheelhouse
+    from k31deploy.errors import K31Error
+except ImportError as exc:  # pragma: no cover - only without the package installed
+    raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
+
+ROLES = Path(__file__).resolve().parents[2]
+CHECKS = ("secrets", "image", "wheelhouse")
+IMAGE_SOURCES = ("registry", "tarball", "build")
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+ENGINE_GROUPS = ("k31_unified", "k31_prefill", "k31_decode")
+# Tags of the tasks that install each wheel set (a run whose tags skip them needs no wheelhouse).
+SET_TAGS = {
+    "router": {"k31_router", "k31_router_install"},
+    "dynamo-frontend": {"k31_dynamo", "k31_dynamo_install"},
+    "dynamo-workers": {"k31_engine", "k31_engine_install", "k31_redeploy"},
+    "mooncake": {"k31_mooncake_store", "k31_mooncake_store_install"},
+}
+
+
+def role_defaults(playbook_dir: str) -> dict[str, Any]:
+    """Every role's defaults, `{{ playbook_dir }}` filled in as the roles see it."""
+    out: dict[str, Any] = {}
+    for path in sorted(ROLES.glob("*/defaults/main.yml")):
+        for name, value in (yaml.safe_load(path.read_text()) or {}).items():
+            out[name] = value.replace("{{ playbook_dir }}", playbook_dir) if isinstance(value, str) else value
+    return out
+
+
+def secret_names() -> list[str]:
+    names: set[str] = set()
+    for path in ROLES.glob("*/meta/argument_specs.yml"):
+        for spec in ((yaml.safe_load(path.read_text()) or {}).get("argument_specs") or {}).values():
+            names |= {n for n, o in (spec.get("options") or {}).items() if (o or {}).get("no_log")}
+    return sorted(names)
+
+
+class Unreadable(Exception):
+    """A variable whose value cannot be worked out (undefined reference, vault without its password)."""
+
+
+class Host:
+    """One host's variables as its roles will see them: the inventory's (hostvars), else the role default."""
+
+    def __init__(self, name: str, hostvars: Any, defaults: dict[str, Any]) -> None:
+        self.name = name
+        self.vars = hostvars[name]
+        self.defaults = defaults
+
+    def has(self, var: str) -> bool:
+        return var in self.vars
+
+    def get(self, var: str) -> Any:
+        if var not in self.vars:
+            return self.defaults.get(var)
+        try:
+            value = self.vars[var]
+            str(value)  # an undefined reference or an undecryptable vault value trips only when used
+        except Exception as exc:  # Ansible's marker errors; the message says which
+            raise Unreadable(" ".join(str(exc).split())) from None
+        return value
+
+    def text(self, var: str) -> str:
+        value = self.get(var)
+        return "" if value is None else str(value)
+
+    def flag(self, var: str) -> bool:
+        return boolean(self.get(var) or False, strict=False)
+
+
+class Problems:
+    """Sentences, each said once; the same problem on several hosts is one sentence naming them all."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[str, list[str]] = {}
+
+    def add(self, sentence: str, host: str | None = None) -> None:
+        hosts = self.hosts.setdefault(sentence, [])
+        if host and host not in hosts:
+            hosts.append(host)
+
+    def sentences(self) -> list[str]:
+        return [s.replace("{hosts}", ", ".join(h)) for s, h in self.hosts.items()]
+
+
+def plan_hosts(plan: dict[str, Any]) -> list[str]:
+    hosts = [r["host"] for s in plan["servers"] for r in s["ranks"]]
+    hosts += [part["host"] for part in (plan.get("router"), plan.get("mooncake_master")) if part]
+    return list(dict.fromkeys(hosts))
+
+
+def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Problems) -> None:
+    """Every secret a host of the plan (or the controller) defines must resolve to a one-line, non-empty value;
+    the router key must be one the router can keep out of argv, and the same wherever it is read."""
+    keys: dict[str, str] = {}
+    for host in hosts.values():
+        for var in secret_names():
+            if not host.has(var):
+                continue
+            try:
+                value = host.text(var)
+            except Unreadable as exc:
+                why = str(exc)
+                if "is undefined" not in why and ("vault" in why.lower() or "decrypt" in why.lower()):
+                    problems.add(f"{var} is vault-encrypted on {{hosts}} but could not be decrypted ({why}); give "
+                                 f"its vault password (--vault-password-file FILE or --ask-vault-pass)", host.name)
+                else:
+                    problems.add(f"{var} on {{hosts}} cannot be resolved ({why}); pass the vaulted vars file that "
+                                 f"defines it (-e @secrets.yml) or remove {var}", host.name)
+                continue
+            if not value.strip():
+                problems.add(f"{var} is set but empty on {{hosts}}; give the secret (Ansible Vault) or remove {var}",
+                             host.name)
+            elif CONTROL.search(value):
+                problems.add(f"{var} on {{hosts}} holds a control character (a line break?); a secret must be one "
+                             f"line", host.name)
+            elif var == "k31_router_api_key":
+                keys[host.name] = value
+    router = plan.get("router") or {}
+    if not keys:
+        return
+    if router.get("kind") != "sglang":
+        what = ("router=dynamo: the Dynamo frontend (ai-dynamo 1.6.1) has no API key check, so the key would "
+                "guard nothing" if router.get("kind") == "dynamo" else "the plan has no router to check it")
+        problems.add(f"k31_router_api_key is set ({', '.join(keys)}) but {what}; unset it, or put the endpoint "
+                     f"behind router=sglang")
+        return
+    if router.get("dialect") == "sgl-router":
+        problems.add("k31_router_api_key cannot be kept out of the router's argv with router_dialect=sgl-router: "
+                     "the seed's sgl-router binary takes the key only as --api-key, which every local user reads in "
+                     "/proc/<pid>/cmdline; use router_dialect=launch_router or leave k31_router_api_key unset")
+    # The smoke check (localhost) and redeploys (engine hosts) send the key the router checks.
+    want = keys.get(router["host"])
+    if want is None:
+        problems.add(f"k31_router_api_key is set on {', '.join(keys)} but not on the router host {router['host']}, "
+                     f"so the router would run without it; set it once for group all (-e @secrets.yml does)")
+        return
+    engines = [r["host"] for s in plan["servers"] for r in s["ranks"]]
+    differ = [h for h in hosts if h in ("localhost", *engines) and keys.get(h) != want]
+    if differ:
+        problems.add(f"k31_router_api_key on {', '.join(differ)} is unset or not the router's ({router['host']}); "
+                     f"the smoke check (localhost) and redeploys (engine hosts) send it, so set it once for group "
+                     f"all (-e @secrets.yml does)")
+
+
+def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
+    """Hosts that run something from the serving image (the k31_image role's k31_image_enabled)."""
+    engines = {h for g in ENGINE_GROUPS for h in groups.get(g, [])}
+    routers = set(groups.get("k31_router", []))
+    kind = (plan.get("router") or {}).get("kind")
+    out = []
+    for host in hosts.values():
+        if host.has("k31_image_enabled"):
+            if host.flag("k31_image_enabled"):
+                out.append(host)
+            continue
+        router_runtime = host.text("k31_dynamo_runtime" if kind == "dynamo" else "k31_router_runtime")
+        if (host.name in engines and host.text("k31_engine_runtime") == "container") or \
+                (host.name in routers and router_runtime == "container"):
+            out.append(host)
+    return out
+
+
+def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host],
+                problems: Problems) -> None:
+    image = plan.get("image")
+    for host in image_hosts(plan, groups, hosts):
+        try:
+            source = host.text("k31_image_source")
+            if source not in IMAGE_SOURCES:
+                problems.add(f"k31_image_source={source} on {{hosts}} is not valid; valid choices: "
+                             f"{', '.join(IMAGE_SOURCES)}", host.name)
+            elif source == "registry":
+                digest = host.text("k31_image_digest")
+                if digest and not DIGEST.match(digest):
+                    problems.add(f"k31_image_digest={digest} on {{hosts}} is not an image digest; give sha256: and "
+                                 f"64 hex digits (the RepoDigests entry `docker inspect {image}` shows)", host.name)
+            elif source == "tarball":
+                tarball = host.text("k31_image_tarball")
+                if not tarball:
+                    problems.add(f"k31_image_source=tarball on {{hosts}} needs k31_image_tarball, a `docker save` "
+                                 f"of {image}", host.name)
+                elif not host.flag("k31_image_tarball_on_host") and not Path(tarball).is_file():
+                    problems.add(f"k31_image_tarball={tarball} (for {{hosts}}) does not exist on the controller; "
+                                 f"give the path of a `docker save` of {image}, or set "
+                                 f"k31_image_tarball_on_host=true where each host already has it", host.name)
+            else:
+                if not host.text("k31_image_build_context"):
+                    problems.add("k31_image_source=build on {hosts} needs k31_image_build_context, an SGLang "
+                                 "checkout on each host", host.name)
+                dockerfile = host.text("k31_image_dockerfile")
+                if not Path(dockerfile).is_file():
+                    problems.add(f"k31_image_dockerfile={dockerfile} (for {{hosts}}) does not exist on the "
+                                 f"controller; give the Dockerfile k31_image_source=build builds", host.name)
+        except Unreadable as exc:
+            problems.add(f"the image settings of {{hosts}} cannot be resolved ({exc})", host.name)
+
+
+def wheel_needs(plan: dict[str, Any], groups: dict[str, list[str]],
+                hosts: dict[str, Host]) -> Iterable[tuple[str, str, str, str]]:
+    """(set, its tag group, wheelhouse folder, why) for every venv a host's runtime installs from the wheelhouse."""
+    router = plan.get("router") or {}
+    if router.get("kind") == "sglang" and router["host"] in hosts:
+        host = hosts[router["host"]]
+        if host.text("k31_router_runtime") == "venv":
+            yield ("router", "router", host.text("k31_router_wheelhouse"),
+                   f"the router runs from a venv (k31_router_runtime=venv on {host.name})")
+    if router.get("kind") == "dynamo":
+        if router["host"] in hosts:
+            host = hosts[router["host"]]
+            if host.text("k31_dynamo_runtime") == "venv":
+                yield ("dynamo", "dynamo-frontend", host.text("k31_dynamo_wheelhouse"),
+                       f"the Dynamo frontend runs from a venv (k31_dynamo_runtime=venv on {host.name})")
+        for name in (h for g in ENGINE_GROUPS for h in groups.get(g, [])):
+            if name in hosts and hosts[name].text("k31_engine_runtime") == "standin":
+                yield ("dynamo", "dynamo-workers", hosts[name].text("k31_engine_wheelhouse"),
+                       f"the Dynamo workers run dynamo.mocker from a venv (k31_engine_runtime=standin on {name})")
+    master = plan.get("mooncake_master")
+    if master and master["host"] in hosts:
+        host = hosts[master["host"]]
+        if host.text("k31_mooncake_store_runtime") == "venv":
+            yield ("mooncake", "mooncake", host.text("k31_mooncake_store_wheelhouse"),
+                   f"the Mooncake master runs from a venv (k31_mooncake_store_runtime=venv on {host.name})")
+
+
+def runs(tags: set[str], run_tags: Iterable[str], skip_tags: Iterable[str]) -> bool:
+    run, skip = set(run_tags or ["all"]), set(skip_tags or [])
+    return ("all" in run or bool(tags & run)) and not tags & skip
+
+
+def check_wheelhouse(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host], problems: Problems,
+                     run_tags: Iterable[str], skip_tags: Iterable[str]) -> None:
+    arch = wheelhouse.host_arch()  # what `k31 wheelhouse pack` packs for, on this controller
+    seen: set[tuple[str, str]] = set()
+    for set_name, group, folder, why in wheel_needs(plan, groups, hosts):
+        if not runs(SET_TAGS[group], run_tags, skip_tags) or (set_name, folder) in seen:
+            continue
+        seen.add((set_name, folder))
+        found = wheelhouse.problem(set_name, Path(folder), arch)
+        if found:
+            problems.add(f"{why}, but {found}")
+
+
+def k31_validate_prerequisites(plan: dict[str, Any], groups: dict[str, list[str]], hostvars: Any,
+                               playbook_dir: str, checks: Iterable[str] = CHECKS, run_tags: Iterable[str] = ("all",),
+                               skip_tags: Iterable[str] = ()) -> list[str]:
+    """One sentence per missing prerequisite of `checks` (secrets, image, wheelhouse); [] when nothing is missing."""
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        raise AnsibleFilterError(f"k31_validate_prerequisites names {', '.join(unknown)}; valid choices: "
+                                 f"{', '.join(CHECKS)}")
+    if "error" in plan:
+        return []
+    defaults = role_defaults(playbook_dir)
+    names = [*plan_hosts(plan), *(["localhost"] if "localhost" not in plan_hosts(plan) else [])]
+    hosts = {n: Host(n, hostvars, defaults) for n in names if n in hostvars}
+    problems = Problems()
+    try:
+        if "secrets" in checks:
+            check_secrets(plan, hosts, problems)
+        if "image" in checks and runs({"k31_image"}, run_tags, skip_tags):
+            check_image(plan, groups, hosts, problems)
+        if "wheelhouse" in checks:
+            check_wheelhouse(plan, groups, hosts, problems, run_tags, skip_tags)
+    except Unreadable as exc:
+        problems.add(f"a runtime setting cannot be resolved ({exc})")
+    except K31Error as exc:
+        problems.add(str(exc))
+    return problems.sentences()
+
+
+class FilterModule:
+    def filters(self):
+        return {"k31_validate_prerequisites": k31_validate_prerequisites}

@@ -1,0 +1,222 @@
+"""The validate play's prerequisite checks (roles/k31_validate/filter_plugins/k31_validate.py): wheel sets,
+image source, secrets -- one sentence each, before any host is touched. Hostvars are faked here; the real
+Ansible vault and undefined-variable behaviour is in tests/integration/test_prerequisites.py."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from k31deploy import wheelhouse
+from k31deploy.recipe import resolve
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = REPO / "roles" / "k31_validate" / "filter_plugins" / "k31_validate.py"
+spec = importlib.util.spec_from_file_location("k31_validate_filter", PLUGIN)
+kv = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kv)
+
+PD = {"platform": "mi355x", "agents": 92, "image": "reg/k31:rocm10", "model_path": "/models/kimi"}
+PLAYBOOK_DIR = str(REPO / "playbooks")
+
+
+class Tripping:
+    """A value Ansible cannot work out: using it raises, as 2.19's undefined and vault markers do."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __str__(self) -> str:
+        raise RuntimeError(self.message)
+
+
+class FakeHostVars(dict):
+    def __getitem__(self, host):
+        return super().__getitem__(host)
+
+
+def cluster(plan, common=None, **per_host):
+    """hostvars for the plan's hosts and localhost: `common` everywhere (group all), then per-host vars."""
+    names = [r["host"] for s in plan["servers"] for r in s["ranks"]]
+    names += [plan["router"]["host"]] if plan.get("router") else []
+    out = FakeHostVars()
+    for name in [*dict.fromkeys(names), "localhost"]:
+        out[name] = {**(common or {}), **per_host.get(name, {})}
+    return out
+
+
+def groups_of(plan):
+    out = {"k31_prefill": [], "k31_decode": [], "k31_unified": [], "k31_router": []}
+    for server in plan["servers"]:
+        out[f"k31_{server['role']}"] += [r["host"] for r in server["ranks"]]
+    if plan.get("router"):
+        out["k31_router"].append(plan["router"]["host"])
+    return out
+
+
+def check(plan, hostvars, checks=kv.CHECKS, **kw):
+    return kv.k31_validate_prerequisites(plan, groups_of(plan), hostvars, PLAYBOOK_DIR, checks, **kw)
+
+
+def test_a_complete_setup_has_no_problem(tmp_path):
+    plan = resolve(PD)
+    assert check(plan, cluster(plan, {"k31_router_api_key": "rk-1234567"})) == []
+
+
+# --- secrets ------------------------------------------------------------------------------------
+
+def test_the_secrets_are_the_no_log_role_variables():
+    assert {"k31_router_api_key", "k31_engine_hf_token", "k31_model_hf_token", "k31_smoke_api_key"} <= set(
+        kv.secret_names())
+
+
+@pytest.mark.parametrize(("value", "sentence"), [
+    (Tripping("'vault_router_key' is undefined"),
+     "k31_router_api_key on node0 cannot be resolved ('vault_router_key' is undefined); pass the vaulted vars "
+     "file that defines it (-e @secrets.yml) or remove k31_router_api_key"),
+    (Tripping("A vault exception marker was tripped."),
+     "k31_router_api_key is vault-encrypted on node0 but could not be decrypted (A vault exception marker was "
+     "tripped.); give its vault password (--vault-password-file FILE or --ask-vault-pass)"),
+    ("  ", "k31_router_api_key is set but empty on node0; give the secret (Ansible Vault) or remove "
+           "k31_router_api_key"),
+    ("rk-1234\nLD_PRELOAD=/x", "k31_router_api_key on node0 holds a control character (a line break?); a secret "
+                               "must be one line"),
+])
+def test_a_router_key_that_does_not_resolve_to_one_line_is_refused(value, sentence):
+    plan = resolve(PD)
+    assert plan["router"]["host"] == "node0"
+    hostvars = cluster(plan, {"k31_router_api_key": "rk-1234567"}, node0={"k31_router_api_key": value})
+    assert check(plan, hostvars, ["secrets"])[0] == sentence
+
+
+def test_the_same_problem_on_several_hosts_is_one_sentence():
+    plan = resolve(PD)
+    hostvars = cluster(plan, {"k31_engine_hf_token": ""})
+    assert check(plan, hostvars, ["secrets"]) == [
+        "k31_engine_hf_token is set but empty on node0, node1, localhost; give the secret (Ansible Vault) or "
+        "remove k31_engine_hf_token"]
+
+
+def test_a_router_key_only_on_the_router_host_is_refused():
+    plan = resolve(PD)
+    hostvars = cluster(plan, node0={"k31_router_api_key": "rk-1234567"})
+    assert check(plan, hostvars, ["secrets"]) == [
+        "k31_router_api_key on node1, localhost is unset or not the router's (node0); the smoke check (localhost) "
+        "and redeploys (engine hosts) send it, so set it once for group all (-e @secrets.yml does)"]
+    hostvars = cluster(plan, localhost={"k31_router_api_key": "rk-1234567"})
+    assert check(plan, hostvars, ["secrets"])[0].startswith(
+        "k31_router_api_key is set on localhost but not on the router host node0, so the router would run without it")
+
+
+def test_a_router_key_the_router_cannot_keep_out_of_argv_or_would_not_check_is_refused():
+    seed = resolve({"platform": "gb300", "topology": "pd", "router": "sglang", "speculative": "none",
+                    "image": "reg/k31:cuda"})
+    assert seed["router"]["dialect"] == "sgl-router"
+    [sentence] = check(seed, cluster(seed, {"k31_router_api_key": "rk-1234567"}), ["secrets"])
+    assert sentence.startswith("k31_router_api_key cannot be kept out of the router's argv with "
+                               "router_dialect=sgl-router: the seed's sgl-router binary takes the key only as "
+                               "--api-key")
+    dynamo = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "speculative": "none"})
+    assert dynamo["router"]["kind"] == "dynamo"
+    [sentence] = check(dynamo, cluster(dynamo, {"k31_router_api_key": "rk-1234567"}), ["secrets"])
+    assert "router=dynamo: the Dynamo frontend (ai-dynamo 1.6.1) has no API key check" in sentence
+    single = resolve({"platform": "mi355x", "agents": 16, "image": "reg/k31:rocm10"})
+    assert single["router"] is None
+    [sentence] = check(single, cluster(single, {"k31_router_api_key": "rk-1234567"}), ["secrets"])
+    assert "but the plan has no router to check it" in sentence
+
+
+# --- image source -------------------------------------------------------------------------------
+
+def test_image_sources_need_their_inputs(tmp_path):
+    plan = resolve(PD)
+    assert check(plan, cluster(plan, {"k31_image_source": "ftp"}), ["image"]) == [
+        "k31_image_source=ftp on node0, node1 is not valid; valid choices: registry, tarball, build"]
+    assert check(plan, cluster(plan, {"k31_image_source": "tarball"}), ["image"]) == [
+        "k31_image_source=tarball on node0, node1 needs k31_image_tarball, a `docker save` of reg/k31:rocm10"]
+    missing = tmp_path / "k31.tar"
+    [sentence] = check(plan, cluster(plan, {"k31_image_source": "tarball", "k31_image_tarball": str(missing)}),
+                       ["image"])
+    assert sentence.startswith(f"k31_image_tarball={missing} (for node0, node1) does not exist on the controller")
+    missing.write_bytes(b"tar")
+    assert check(plan, cluster(plan, {"k31_image_source": "tarball", "k31_image_tarball": str(missing)}),
+                 ["image"]) == []
+    on_host = {"k31_image_source": "tarball", "k31_image_tarball": "/shared/k31.tar",
+               "k31_image_tarball_on_host": "yes"}
+    assert check(plan, cluster(plan, on_host), ["image"]) == []
+    assert check(plan, cluster(plan, {"k31_image_source": "build"}), ["image"]) == [
+        "k31_image_source=build on node0, node1 needs k31_image_build_context, an SGLang checkout on each host"]
+    assert check(plan, cluster(plan, {"k31_image_digest": "sha256:abc"}), ["image"])[0].startswith(
+        "k31_image_digest=sha256:abc on node0, node1 is not an image digest")
+    assert check(plan, cluster(plan, {"k31_image_digest": "sha256:" + "a" * 64}), ["image"]) == []
+
+
+def test_only_hosts_that_run_the_image_need_its_source():
+    plan = resolve(PD)
+    standin = {"k31_engine_runtime": "standin", "k31_router_runtime": "venv", "k31_image_source": "tarball"}
+    assert check(plan, cluster(plan, standin), ["image"]) == []
+    forced = cluster(plan, standin, node1={"k31_image_enabled": "true"})
+    assert check(plan, forced, ["image"])[0].startswith("k31_image_source=tarball on node1 needs")
+    # A run whose tags skip the image step needs no image source.
+    assert check(plan, cluster(plan, {"k31_image_source": "ftp"}), ["image"], run_tags=["k31_engine"]) == []
+
+
+# --- wheelhouse -----------------------------------------------------------------------------------
+
+def test_a_venv_router_needs_the_router_set_in_its_wheelhouse(tmp_path):
+    plan = resolve(PD)
+    hostvars = cluster(plan, {"k31_router_runtime": "venv", "k31_router_wheelhouse": str(tmp_path / "wh")})
+    assert check(plan, hostvars, ["wheelhouse"]) == [
+        f"the router runs from a venv (k31_router_runtime=venv on node0), but wheelhouse {tmp_path / 'wh'} does not "
+        f"exist; run `k31 wheelhouse build --set router --dest {tmp_path / 'wh'}` (or copy a complete wheelhouse "
+        f"there)"]
+    (tmp_path / "wh").mkdir()
+    [sentence] = check(plan, hostvars, ["wheelhouse"])
+    pins = wheelhouse.set_pins("router")
+    assert f"lacks {len(pins)} of the {len(pins)} pinned" in sentence and "--set router" in sentence
+    for pin in pins:  # every pinned wheel present: nothing to say
+        (tmp_path / "wh" / f"{pin.name.replace('-', '_')}-{pin.version}-py3-none-any.whl").write_bytes(b"")
+    assert check(plan, hostvars, ["wheelhouse"]) == []
+    # The container runtime installs nothing; a run that skips the router needs no router wheels.
+    assert check(plan, cluster(plan, {"k31_router_wheelhouse": str(tmp_path / "none")}), ["wheelhouse"]) == []
+    empty = cluster(plan, {"k31_router_runtime": "venv", "k31_router_wheelhouse": str(tmp_path / "none")})
+    assert check(plan, empty, ["wheelhouse"], run_tags=["k31_engine"]) == []
+    assert check(plan, empty, ["wheelhouse"], skip_tags=["k31_router"]) == []
+    assert len(check(plan, empty, ["wheelhouse"], run_tags=["k31_router_install"])) == 1
+
+
+def test_role_defaults_are_read_as_the_roles_see_them():
+    defaults = kv.role_defaults(PLAYBOOK_DIR)
+    assert defaults["k31_router_wheelhouse"] == f"{PLAYBOOK_DIR}/../.k31/wheelhouse"
+    assert defaults["k31_router_runtime"] == "container" and defaults["k31_image_source"] == "registry"
+
+
+def test_dynamo_and_mooncake_sets_follow_their_runtimes(tmp_path):
+    dyn = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "speculative": "none"})
+    hostvars = cluster(dyn, {"k31_dynamo_runtime": "venv", "k31_engine_runtime": "standin",
+                             "k31_dynamo_wheelhouse": str(tmp_path / "a"),
+                             "k31_engine_wheelhouse": str(tmp_path / "b")})
+    found = check(dyn, hostvars, ["wheelhouse"])
+    assert len(found) == 2
+    assert found[0].startswith("the Dynamo frontend runs from a venv (k31_dynamo_runtime=venv on node0)")
+    assert found[1].startswith("the Dynamo workers run dynamo.mocker from a venv (k31_engine_runtime=standin on ")
+    assert "--set dynamo" in found[1]
+    l3 = resolve({"platform": "b300", "topology": "pd", "router": "sglang", "router_dialect": "launch_router",
+                  "kv_offload": "mooncake", "max_running_requests": 64, "image": "reg/k31:cuda"})
+    hostvars = cluster(l3, {"k31_mooncake_store_runtime": "venv", "k31_mooncake_store_wheelhouse": str(tmp_path / "c")})
+    assert check(l3, hostvars, ["wheelhouse"])[0].startswith(
+        f"the Mooncake master runs from a venv (k31_mooncake_store_runtime=venv on {l3['mooncake_master']['host']})")
+
+
+def test_an_unknown_check_is_refused():
+    with pytest.raises(Exception, match="names floppy; valid choices: secrets, image, wheelhouse"):
+        check(resolve(PD), FakeHostVars(), ["floppy"])
+
+
+def test_problem_names_the_command_that_fixes_it(tmp_path):
+    assert wheelhouse.problem("router", tmp_path / "x", "x86_64").endswith(
+        f"run `k31 wheelhouse build --set router --dest {tmp_path / 'x'}` (or copy a complete wheelhouse there)")
+    with pytest.raises(Exception, match="unknown"):
+        wheelhouse.problem("floppy", tmp_path, "x86_64")
