@@ -105,14 +105,19 @@ def endpoint_address(plan: dict[str, Any]) -> tuple[str, int]:
     raise K31Error("the plan has neither a router nor a unified server to smoke; add a host to k31_router")
 
 
-def http_url(address: str, port: int) -> str:
+def http_url(address: str, port: int, scheme: str = "http") -> str:
     """The OpenAI base URL of an address (IPv6 in brackets)."""
-    return addr.http_url(address, port, "/v1")
+    return addr.url(scheme, address, port, "/v1")
+
+
+def endpoint_scheme(plan: dict[str, Any]) -> str:
+    """https behind the Dynamo frontend (it takes clients with a cluster-CA certificate), else http."""
+    return "https" if (plan.get("router") or {}).get("kind") == "dynamo" else "http"
 
 
 def endpoint(plan: dict[str, Any]) -> str:
     """The OpenAI base URL clients use (see endpoint_address)."""
-    return http_url(*endpoint_address(plan))
+    return http_url(*endpoint_address(plan), endpoint_scheme(plan))
 
 
 def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:

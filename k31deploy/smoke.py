@@ -174,8 +174,32 @@ def validate(base_url: str, model: str, timeout: float) -> None:
         raise K31Error(f"timeout {timeout} is not valid; give a number of seconds above 0")
 
 
+@dataclass(frozen=True)
+class ClientTLS:
+    """A client certificate of the k31 cluster CA, for an endpoint that takes only those (the Dynamo
+    frontend): the CA to verify the server with, the certificate and its key."""
+
+    ca: str
+    cert: str
+    key: str
+
+    @classmethod
+    def from_args(cls, ca: str | None, cert: str | None, key: str | None) -> ClientTLS | None:
+        given = [x for x in (ca, cert, key) if x]
+        if not given:
+            return None
+        if len(given) != 3:
+            raise K31Error("--ca-cert, --client-cert and --client-key go together; give all three (k31 pki "
+                           "client-cert writes them)")
+        for flag, path in (("--ca-cert", ca), ("--client-cert", cert), ("--client-key", key)):
+            if not Path(path).expanduser().is_file():
+                raise K31Error(f"{flag} {path} does not exist")
+        return cls(str(Path(ca).expanduser()), str(Path(cert).expanduser()), str(Path(key).expanduser()))
+
+
 def run_smoke(base_url: str, model: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-              skip: tuple[str, ...] = (), max_tokens: int = MAX_TOKENS) -> list[CheckResult]:
+              skip: tuple[str, ...] = (), max_tokens: int = MAX_TOKENS,
+              tls: ClientTLS | None = None) -> list[CheckResult]:
     """Every check in order, each against its own request; one failing does not stop the others.
     `skip` names checks an endpoint cannot pass by design (Dynamo's mocker emits random tokens:
     no reasoning, no tool calls); they are reported as skipped, never as passed."""
@@ -188,9 +212,17 @@ def run_smoke(base_url: str, model: str, api_key: str | None = None, timeout: fl
     import httpx
     from openai import OpenAI
 
+    limits = httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT, timeout))
+    http_client = None
+    if tls is not None:
+        import ssl
+
+        context = ssl.create_default_context(cafile=tls.ca)
+        context.load_cert_chain(tls.cert, tls.key)
+        http_client = httpx.Client(verify=context, timeout=limits)
     # No retries: a retried request would hide the failure the smoke is there to show.
-    client = OpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0,
-                    timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT, timeout)))
+    client = OpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=limits,
+                    http_client=http_client)
     results = []
     with client:
         for name, check in CHECKS:
@@ -251,14 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
                    help="leave a check out (reported as skipped); repeatable")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="cap of every generated reply")
+    add_tls_args(p)
     return p
+
+
+def add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ca-cert", help="the k31 cluster CA certificate (for an https endpoint wanting client certs)")
+    p.add_argument("--client-cert", help="a client certificate of that CA (k31 pki client-cert)")
+    p.add_argument("--client-key", help="its key")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         key = read_api_key(args.api_key_file)
-        results = run_smoke(args.base_url, args.model, key, args.timeout, tuple(args.skip), args.max_tokens)
+        tls = ClientTLS.from_args(args.ca_cert, args.client_cert, args.client_key)
+        results = run_smoke(args.base_url, args.model, key, args.timeout, tuple(args.skip), args.max_tokens, tls)
     except K31Error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return K31Error.exit_code

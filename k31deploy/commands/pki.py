@@ -28,6 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="file (or executable) giving the vault password, as for ansible-playbook")
         a.add_argument("--name", default="k31 cluster CA", help="the CA's common name")
         a.set_defaults(func=cmd_write)
+    a = actions.add_parser("client-cert", help="a client certificate of the CA (the Dynamo frontend wants one)")
+    a.add_argument("--vars-file", required=True, type=Path, help="the vars file k31 pki init wrote")
+    a.add_argument("--vault-password-file", required=True, help="its vault password (file or executable)")
+    a.add_argument("--name", required=True, help="who the certificate is for (its common name)")
+    a.add_argument("--out", required=True, type=Path,
+                   help="folder (made 0700) for ca.crt, client.crt and client.key (0600)")
+    a.add_argument("--days", type=int, default=pki.CERT_DAYS, help="validity in days")
+    a.set_defaults(func=cmd_client_cert)
     a = actions.add_parser("show", help="the CA's subject and validity")
     a.add_argument("--vars-file", required=True, type=Path)
     a.set_defaults(func=cmd_show)
@@ -68,6 +76,47 @@ def cmd_write(args: argparse.Namespace) -> int:
     os.replace(tmp, args.vars_file)
     print(f"k31 pki: {args.pki_command}: wrote {args.vars_file}"
           + ("; deploy again to re-issue every certificate from the new CA" if args.pki_command == "rotate" else ""))
+    return 0
+
+
+def load_ca(vars_file: Path, password_file: str) -> pki.Pair:
+    """The CA from the vars file `k31 pki init` wrote, its key decrypted with the vault password."""
+    import yaml
+
+    if not vars_file.exists():
+        raise K31Error(f"--vars-file {vars_file} does not exist; create the CA with `k31 pki init`")
+    vault = _vault(password_file)
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!vault", lambda loader, node: vault.decrypt(loader.construct_scalar(node)).decode())
+    try:
+        data = yaml.load(vars_file.read_text(encoding="utf-8"), Loader=Loader) or {}
+    except Exception as exc:    # the vault's own errors say what went wrong
+        why = " ".join(str(exc).split())
+        raise K31Error(f"{vars_file} could not be read with that vault password ({why})") from None
+    if "k31_pki_ca_cert" not in data or "k31_pki_ca_key" not in data:
+        raise K31Error(f"{vars_file} has no k31_pki_ca_cert / key; create the CA with `k31 pki init`")
+    return pki.Pair(str(data["k31_pki_ca_key"]), str(data["k31_pki_ca_cert"]))
+
+
+def write_private(path: Path, text: str, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(path, mode)
+
+
+def cmd_client_cert(args: argparse.Namespace) -> int:
+    ca = load_ca(args.vars_file, args.vault_password_file)
+    issued = pki.issue(ca, args.name, [args.name], days=args.days)
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.chmod(args.out, 0o700)
+    write_private(args.out / "ca.crt", ca.cert, 0o644)
+    write_private(args.out / "client.crt", issued.cert, 0o644)
+    write_private(args.out / "client.key", issued.key, 0o600)
+    print(f"k31 pki: client certificate for {args.name} in {args.out} (ca.crt, client.crt, client.key)")
     return 0
 
 

@@ -20,8 +20,17 @@ from typing import Any
 from k31deploy.address import host_port
 from k31deploy.commands.recipe import add_plan_args, plan_from_args
 from k31deploy.errors import K31Error
-from k31deploy.launch import endpoint_address, http_url
-from k31deploy.smoke import API_KEY_ENV, DEFAULT_TIMEOUT, read_api_key, report, run_smoke, validate
+from k31deploy.launch import endpoint_address, endpoint_scheme, http_url
+from k31deploy.smoke import (
+    API_KEY_ENV,
+    DEFAULT_TIMEOUT,
+    ClientTLS,
+    add_tls_args,
+    read_api_key,
+    report,
+    run_smoke,
+    validate,
+)
 
 SSH_TIMEOUT = 10.0
 
@@ -34,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", help=f"file holding the router API key (default: env {API_KEY_ENV})")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_tls_args(p)
     p.set_defaults(func=cmd_smoke)
 
 
@@ -43,15 +53,21 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     address, port = endpoint_address(plan)
     key = read_api_key(args.api_key_file)
-    target = http_url(address, port)
+    tls = ClientTLS.from_args(args.ca_cert, args.client_cert, args.client_key)
+    scheme = endpoint_scheme(plan)
+    if scheme == "https" and tls is None:
+        raise K31Error("the Dynamo frontend takes only clients with a certificate of the k31 cluster CA; give "
+                       "--ca-cert, --client-cert and --client-key (`k31 pki client-cert` writes them)")
+    target = http_url(address, port, scheme)
     validate(target, plan["model"], args.timeout)  # before a tunnel is opened for nothing
     if args.via:
         via = via_host(args.inventory, args.via)
-        with tunnel(via, address, port) as local_port:
-            results = run_smoke(http_url("127.0.0.1", local_port), plan["model"], key, args.timeout)
+        with tunnel(via, address, port) as local_port:    # the frontend's certificate names 127.0.0.1 too
+            results = run_smoke(http_url("127.0.0.1", local_port, scheme), plan["model"], key, args.timeout,
+                                tls=tls)
         target += f" via {via.name}"
     else:
-        results = run_smoke(target, plan["model"], key, args.timeout)
+        results = run_smoke(target, plan["model"], key, args.timeout, tls=tls)
     print(report(results, target, plan["model"], args.json))
     if not args.via and results and all(r.detail.startswith("Connection error") for r in results):
         print(f"hint: this machine cannot reach {host_port(address, port)}; --via HOST tunnels through an inventory "

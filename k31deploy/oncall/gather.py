@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from k31deploy import address
 from k31deploy.errors import K31Error
 from k31deploy.oncall.rollout import http, worker_url
 
@@ -36,9 +37,13 @@ def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
             specs[rank["host"]]["units"][rank["unit"]] = {"health": http(rank["address"], server["port"], "/health")}
     router = plan.get("router")
     if router:
-        base = http(router["public_address"], router["port"])
-        urls = ({"readiness": f"{base}/readiness", "workers": f"{base}/workers"} if router["kind"] == "sglang"
-                else {"models": f"{base}/v1/models"})
+        if router["kind"] == "sglang":    # its worker API wants the control-plane key, in its own env file
+            base = http(router["public_address"], router["port"])
+            urls = {"readiness": f"{base}/readiness", "workers": f"{base}/workers",
+                    "auth": {"env_file": f"/etc/k31/{router['unit']}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}}
+        else:    # the Dynamo frontend takes clients with a cluster-CA certificate: the host's own
+            base = address.url("https", router["public_address"], router["port"])
+            urls = {"models": f"{base}/v1/models", "auth": dict(plan["pki"])}
         specs[router["host"]]["units"][router["unit"]] = urls
     return specs
 

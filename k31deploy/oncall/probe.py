@@ -63,9 +63,39 @@ def unit_state(unit, now_mono):
     }
 
 
-def http(url, timeout=3.0):
+def env_value(path, var):
+    """VAR's value in a k31 env file (KEY=VALUE lines, maybe double-quoted); None when absent."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with open(path) as fh:
+            for line in fh:
+                key, sep, value = line.rstrip("\n").partition("=")
+                if sep and key == var:
+                    value = value.strip()
+                    if len(value) >= 2 and value[0] == value[-1] == '"':
+                        value = value[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+                    return value
+    except OSError:
+        return None
+    return None
+
+
+def http(url, timeout=3.0, auth=None):
+    """GET url. auth: {"env_file", "var"} -> a Bearer key read from the unit's own env file (the router's
+    control-plane key: the last field of id:name:role:key); {"ca", "cert", "key"} -> mutual TLS with the
+    host's cluster certificate (the Dynamo frontend)."""
+    headers, context = {}, None
+    if auth and auth.get("env_file"):
+        value = env_value(auth["env_file"], auth["var"])
+        if value:
+            headers["Authorization"] = "Bearer " + value.rsplit(":", 1)[-1]
+    if auth and auth.get("cert"):
+        import ssl
+
+        context = ssl.create_default_context(cafile=auth["ca"])
+        context.load_cert_chain(auth["cert"], auth["key"])
+    try:
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
             raw = resp.read()
             status = resp.status
     except urllib.error.HTTPError as exc:
@@ -104,8 +134,10 @@ def status(spec):
     for unit in sorted(set(spec.get("units", {})) | set(discovered_units(etc_dir))):
         info = unit_state(unit, now_mono)
         info.update(runtime(unit, etc_dir))
-        for key, url in (spec.get("units", {}).get(unit) or {}).items():
-            answer = http(url)
+        urls = dict(spec.get("units", {}).get(unit) or {})
+        auth = urls.pop("auth", None)
+        for key, url in urls.items():
+            answer = http(url, auth=auth)
             info[key] = answer["status"]
             if key == "workers" and isinstance(answer.get("json"), dict):
                 info["workers"] = [{"url": w.get("url"), "type": w.get("worker_type"),

@@ -4,6 +4,7 @@ SSH client key, a known_hosts file read out of the containers, and the inventory
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import shutil
 import socket
@@ -18,7 +19,7 @@ from typing import Any
 from k31deploy.errors import K31Error
 from k31deploy.paths import state_dir
 from k31deploy.sandbox import image, podman
-from k31deploy.sandbox.inventory import build_inventory, dump_inventory, known_hosts_text
+from k31deploy.sandbox.inventory import build_inventory, dump_inventory, known_hosts_text, sandbox_secrets
 from k31deploy.sandbox.shapes import Shape
 
 LABEL = "k31.sandbox"
@@ -207,6 +208,8 @@ def _run_flags(name: str, host: str, index: int, address: str, hosts_file: list[
         "--name", container_name(name, host), "--hostname", host,
         "--label", f"{LABEL}={name}", "--label", f"{HOST_LABEL}={host}", "--label", f"{INDEX_LABEL}={index}",
         "--network", network_name(name), "--ip", address, "--systemd=always",
+        # k31_firewall loads an nftables table in the node's own network namespace (not the machine's)
+        "--cap-add=NET_ADMIN",
     ]  # fmt: skip
     if UNIFIED_CGROUP.is_dir():
         flags += ["-v", f"{UNIFIED_CGROUP}:{UNIFIED_CGROUP}:rw"]
@@ -276,7 +279,11 @@ def up(shape: Shape, name: str, log: Log) -> Path:
     log(f"sshd answers on every node after {time.monotonic() - t_start:.1f} s")
 
     inventory = directory / "inventory.yml"
-    inventory.write_text(dump_inventory(build_inventory(shape, addresses, key, known_hosts)))
+    text = dump_inventory(build_inventory(shape, addresses, key, known_hosts, sandbox_secrets(directory)))
+    fd = os.open(inventory, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)    # it holds the sandbox's secrets
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(inventory, 0o600)
     memory = memory_mib(containers)
     per_node = (f"{host} {memory.get(ctr, 0):.0f} MiB" for host, ctr in zip(wanted, containers, strict=True))
     log("memory per node: " + ", ".join(per_node))

@@ -29,7 +29,30 @@ def ssh_common_args(known_hosts: Path) -> str:
     return " ".join(f"-o {shlex.quote(f'{key}={value}')}" for key, value in options.items())
 
 
-def build_inventory(shape: Shape, addresses: dict[str, str], key_file: Path, known_hosts: Path) -> dict:
+def sandbox_secrets(directory: Path) -> dict[str, str]:
+    """The sandbox's own cluster CA and router API key, made once and kept (0600) so that redeploying
+    the same sandbox changes nothing. A site keeps these in Ansible Vault (k31 pki init); a throwaway
+    sandbox keeps them beside its inventory, which is 0600 too. The key is also in `router-api-key` for
+    `k31 smoke --api-key-file`."""
+    import os
+    import secrets as secrets_
+
+    from k31deploy import pki
+
+    path = directory / "secrets.yml"
+    if path.is_file():
+        return yaml.safe_load(path.read_text())
+    ca = pki.new_ca("k31 sandbox CA")
+    data = {"k31_pki_ca_cert": ca.cert, "k31_pki_ca_key": ca.key, "k31_router_api_key": secrets_.token_urlsafe(24)}
+    for name, text in (("secrets.yml", yaml.safe_dump(data)), ("router-api-key", data["k31_router_api_key"] + "\n")):
+        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    return data
+
+
+def build_inventory(shape: Shape, addresses: dict[str, str], key_file: Path, known_hosts: Path,
+                    secrets: dict[str, str] | None = None) -> dict:
     """Every engine/router group is present (empty ones too, so playbooks can index `groups`);
     `k31_server` only where hosts share a multi-node server."""
     all_vars: dict[str, Any] = {
@@ -39,6 +62,7 @@ def build_inventory(shape: Shape, addresses: dict[str, str], key_file: Path, kno
         "ansible_ssh_common_args": ssh_common_args(known_hosts),
         **{f"k31_{knob}": value for knob, value in shape.knobs.items()},
         **RUNTIME_VARS,
+        **(secrets or {}),
         **shape.role_vars,
     }
     children: dict[str, dict] = {}

@@ -5,6 +5,7 @@ checks see of a real `sglang.launch_server` (field notes §2, §4), served from 
 from __future__ import annotations
 
 import argparse
+import hmac
 import http.client
 import json
 import os
@@ -109,8 +110,11 @@ class Engine:
         return time.monotonic() < self.ready_at
 
     def server_info(self) -> dict[str, Any]:
-        # No model_path: the router would try to fetch that tokenizer from the hub (field notes §4).
-        info = {k: v for k, v in vars(self.args).items() if k != "model_path"}
+        # No model_path: the router would try to fetch that tokenizer from the hub (field notes §4). SGLang
+        # 0.5.23 reports its keys here too (build_server_info redacts only watermark secrets); the stand-in
+        # does not repeat that.
+        info = {k: ("<redacted>" if k in ("api_key", "admin_api_key") and v else v)
+                for k, v in vars(self.args).items() if k != "model_path"}
         info["version"] = "k31-standin"
         info["internal_states"] = [{"last_gen_throughput": 0.0}]
         return info
@@ -291,6 +295,9 @@ class EngineHandler(_Handler):
         if route is None or (path == "/metrics" and not self.engine.args.enable_metrics):
             self.send_error_json(404, f"no route {path}")
             return
+        if not authorized(path, self.headers.get("Authorization"), self.engine.args):
+            self.send_json(401, {"error": "Unauthorized"})
+            return
         methods, func = route
         if method not in methods:
             self.send_error_json(405, f"{path} takes {' or '.join(methods)}")
@@ -325,6 +332,9 @@ class EngineHandler(_Handler):
 
     def metrics(self) -> None:
         self.send_body(200, self.engine.metrics().encode(), "text/plain; version=0.0.4")
+
+    def flush_cache(self) -> None:
+        self.send_body(200, b"Cache flushed.\n", "text/plain")
 
     # -- generation -----------------------------------------------------------------------------
     def _request(self) -> dict[str, Any]:
@@ -400,6 +410,21 @@ class EngineHandler(_Handler):
             self._serve(batch, lambda: self.send_json(200, replies.generate_result(batch[0], rid)))
 
 
+def authorized(path: str, authorization: str | None, args: argparse.Namespace) -> bool:
+    """SGLang 0.5.23's decide_request_auth (utils/auth.py): health, readiness and metrics are always open;
+    admin endpoints want --admin-api-key when it is set (else --api-key); the rest want --api-key."""
+    if path.startswith(("/health", "/ready", "/metrics")):
+        return True
+    want = (args.admin_api_key or args.api_key) if path in ADMIN_PATHS else args.api_key
+    if not want:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), want.encode())
+
+
+# SGLang's AuthLevel.ADMIN_OPTIONAL endpoints the stand-in serves (http_server.py): the cache flush.
+ADMIN_PATHS = {"/flush_cache"}
+
 ROUTES: dict[str, tuple[tuple[str, ...], Callable[[EngineHandler], None]]] = {
     "/health": (("GET",), EngineHandler.health),
     "/health_generate": (("GET",), EngineHandler.health),
@@ -413,6 +438,7 @@ ROUTES: dict[str, tuple[tuple[str, ...], Callable[[EngineHandler], None]]] = {
     "/generate": (("POST",), EngineHandler.generate),
     "/v1/completions": (("POST",), EngineHandler.completions),
     "/v1/chat/completions": (("POST",), EngineHandler.chat),
+    "/flush_cache": (("POST",), EngineHandler.flush_cache),
 }
 
 

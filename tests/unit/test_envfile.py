@@ -183,6 +183,7 @@ def template_context(plan: dict, env: dict[str, str], runtime: str = "container"
         "k31_dynamo_nats_token": "t" * 64, "k31_dynamo_etcd_password": "p" * 64,
         "k31_engine_nats_token": "t" * 64, "k31_engine_etcd_password": "p" * 64,
         "k31_router_plan": {"env": env}, "k31_router_runtime": runtime, "k31_router_api_key": "",
+        "k31_router_control_plane_key": "",
         "k31_mnnvl_env": env, "k31_mnnvl_addresses": ["10.0.0.1", "10.0.0.2"], "inventory_hostname": "t0",
         "k31_model_env": env, "k31_model_items": [{"dest": "/models/k31"}],
         "k31_rdma_env": env, "k31_rdma_selection": {"ports": [{"device": "mlx5_0"}], "left_out": ["mlx5_1: down"]},

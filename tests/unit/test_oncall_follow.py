@@ -53,7 +53,7 @@ class FakeHost(follow.Host):
         for unit in units:
             self.started[unit] = self.clock
 
-    def request(self, method, url, body=None):
+    def request(self, method, url, body=None, key="router"):
         self.calls.append((method, url.removeprefix(ROUTER)))
         if url == f"{ROUTER}/workers" and method == "GET":
             return 200, {"workers": self.workers}

@@ -56,8 +56,10 @@ def test_each_host_probes_its_own_units_where_they_bind():
     specs = gather.host_specs(p)
     assert specs["d0"]["units"] == {"k31-d0-r0": {"health": f"http://{d0}:30100/health"}}
     public = p["router"]["public_address"]
-    assert specs["r0"]["units"]["k31-router"] == {"readiness": f"http://{public}:8000/readiness",
-                                                  "workers": f"http://{public}:8000/workers"}
+    assert specs["r0"]["units"]["k31-router"] == {
+        "readiness": f"http://{public}:8000/readiness", "workers": f"http://{public}:8000/workers",
+        # the worker API wants the router's control-plane key: the probe reads it from the router's env file
+        "auth": {"env_file": "/etc/k31/k31-router.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}}
     assert gather.plan_hosts(plan()) == ["p0", "d0", "d1", "r0"]
 
 
@@ -164,7 +166,7 @@ def test_the_probe_reads_systemd_and_health(monkeypatch):
         return 0, ""
 
     monkeypatch.setattr(probe, "run", fake_run)
-    monkeypatch.setattr(probe, "http", lambda url, timeout=3.0: {"status": 200 if "health" in url else 503})
+    monkeypatch.setattr(probe, "http", lambda url, timeout=3.0, auth=None: {"status": 200 if "health" in url else 503})
     monkeypatch.setattr(probe.time, "monotonic", lambda: 11.0)
     monkeypatch.setattr(probe.os.path, "exists", lambda p: p.endswith("k31-d0-r0.sh"))
     out = probe.status({"units": {"k31-d0-r0": {"health": "http://127.0.0.1:30100/health"}}})
@@ -172,3 +174,42 @@ def test_the_probe_reads_systemd_and_health(monkeypatch):
     row = out["units"]["k31-d0-r0"]
     assert (row["active"], row["restarts"], row["pid"], row["uptime_s"], row["health"]) == ("active", 2, 42, 10.0, 200)
     json.dumps(out)
+
+
+def test_the_probe_authenticates_as_the_unit_it_checks(tmp_path):
+    """The router's worker API with the control-plane key from the router's own env file (the probe runs as
+    root on that host); the Dynamo frontend with the host's cluster certificate."""
+    import http.server
+    import threading
+
+    from k31deploy.oncall import probe
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"workers": []}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = tmp_path / "k31-router.env"
+    env.write_text('SGLANG_ROUTER_STREAM_IDLE_TIMEOUT_SECS=3600\nK31_ROUTER_CONTROL_PLANE_KEYS="k31:k31:admin:cp-9"\n')
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/workers"
+        answer = probe.http(url, auth={"env_file": str(env), "var": "K31_ROUTER_CONTROL_PLANE_KEYS"})
+        assert answer["status"] == 200 and seen == ["Bearer cp-9"]
+        probe.http(url, auth={"env_file": str(tmp_path / "missing.env"), "var": "K31_ROUTER_CONTROL_PLANE_KEYS"})
+        assert seen[-1] is None
+    finally:
+        server.shutdown()
+    dynamo = gather.host_specs(resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 8}))
+    (frontend,) = [units for units in (s["units"] for s in dynamo.values()) if "k31-dynamo-frontend" in units]
+    spec = frontend["k31-dynamo-frontend"]
+    assert spec["models"].startswith("https://") and spec["auth"]["cert"] == "/etc/k31/pki/host.crt"

@@ -256,7 +256,7 @@ def k31(argv: list[str]) -> int:
 def test_endpoint_is_the_router_else_the_first_unified_server_rank_0(tmp_path, monkeypatch, capsys):
     seen = []
 
-    def fake_run(base_url, model, api_key=None, timeout=0):
+    def fake_run(base_url, model, api_key=None, timeout=0, tls=None):
         seen.append((base_url, model, api_key, timeout))
         return []
 

@@ -266,11 +266,12 @@ def start():
         server.server_close()
 
 
-def call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+def call(port: int, method: str, path: str, body: dict | None = None,
+         headers: dict | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+                     headers={"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
         return response.status, response.read()
     finally:
@@ -414,3 +415,17 @@ def test_decode_answers_once_the_prefill_took_the_same_room(pd):
     assert answers["d"][0] == 200 and sse_events(answers["d"][1])[-1] == "[DONE]"
     other_room = {**fields, "bootstrap_room": 999}
     assert call(d_port, "POST", "/v1/chat/completions", chat(**other_room))[0] == 504
+
+
+def test_keys_from_a_config_file_guard_the_api_as_sglang_does(tmp_path, start):
+    config = tmp_path / "auth.yaml"
+    config.write_text('api-key: "k-api"\nadmin-api-key: "k-admin"\n')
+    _, port = start(["--config", str(config), "--enable-metrics"])
+    for path in ("/health", "/health_generate", "/metrics"):    # probes and scraping need no key
+        assert call(port, "GET", path)[0] == 200
+    assert call(port, "GET", "/v1/models")[0] == 401
+    assert call(port, "GET", "/v1/models", headers={"Authorization": "Bearer k-api"})[0] == 200
+    assert call(port, "POST", "/flush_cache", headers={"Authorization": "Bearer k-api"})[0] == 401
+    assert call(port, "POST", "/flush_cache", headers={"Authorization": "Bearer k-admin"})[0] == 200
+    status, body = call(port, "GET", "/server_info", headers={"Authorization": "Bearer k-api"})
+    assert status == 200 and b"k-admin" not in body and b"k-api" not in body

@@ -93,7 +93,7 @@ def test_a_router_key_that_does_not_resolve_to_one_line_is_refused(value, senten
 
 def test_the_same_problem_on_several_hosts_is_one_sentence():
     plan = resolve(PD)
-    hostvars = cluster(plan, {"k31_engine_hf_token": ""})
+    hostvars = cluster(plan, {"k31_engine_hf_token": "", "k31_router_api_key": "rk-1234567"})
     assert check(plan, hostvars, ["secrets"]) == [
         "k31_engine_hf_token is set but empty on node0, node1, localhost; give the secret (Ansible Vault) or "
         "remove k31_engine_hf_token"]
@@ -120,12 +120,27 @@ def test_a_router_key_the_router_cannot_keep_out_of_argv_or_would_not_check_is_r
                                "--api-key")
     dynamo = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "speculative": "none"})
     assert dynamo["router"]["kind"] == "dynamo"
-    [sentence] = check(dynamo, cluster(dynamo, {"k31_router_api_key": "rk-1234567"}), ["secrets"])
+    ca = {"k31_pki_ca_cert": "-----BEGIN CERTIFICATE-----", "k31_pki_ca_key": "-----BEGIN PRIVATE KEY-----"}
+    [sentence] = check(dynamo, cluster(dynamo, {"k31_router_api_key": "rk-1234567", **ca}), ["secrets"])
     assert "router=dynamo: the Dynamo frontend (ai-dynamo 1.6.1) has no API key check" in sentence
     single = resolve({"platform": "mi355x", "agents": 16, "image": "reg/k31:rocm10"})
-    assert single["router"] is None
-    [sentence] = check(single, cluster(single, {"k31_router_api_key": "rk-1234567"}), ["secrets"])
-    assert "but the plan has no router to check it" in sentence
+    assert single["router"] is None    # the unified engine serves clients itself and checks the key
+    assert check(single, cluster(single, {"k31_router_api_key": "rk-1234567"}), ["secrets"]) == []
+
+
+def test_every_exposed_api_is_authenticated_or_the_run_is_refused():
+    plan = resolve(PD)
+    [sentence] = check(plan, cluster(plan), ["secrets"])
+    assert sentence == ("the engines' HTTP API (node0, node1) and the router in front of them are authenticated with "
+                        "k31_router_api_key, which is not set; put it in Ansible Vault and pass it for group all "
+                        "(-e @secrets.yml)")
+    dynamo = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "speculative": "none"})
+    [sentence] = check(dynamo, cluster(dynamo), ["secrets"])
+    assert sentence.startswith("router=dynamo: its control planes (NATS, the request and response planes, the "
+                               "frontend) authenticate with certificates of the k31 cluster CA, which node0, node1, "
+                               "node2, node3 lack; run `k31 pki init")
+    ca = {"k31_pki_ca_cert": "-----BEGIN CERTIFICATE-----", "k31_pki_ca_key": "-----BEGIN PRIVATE KEY-----"}
+    assert check(dynamo, cluster(dynamo, ca), ["secrets"]) == []
 
 
 # --- image source -------------------------------------------------------------------------------

@@ -40,8 +40,9 @@ def log(message: str) -> None:
 class Host:
     """What the watcher does to the world; replaced by a fake in the unit tests."""
 
-    def __init__(self, api_key: str = "", timeout: float = 3.0):
-        self.api_key = api_key
+    def __init__(self, keys: dict[str, str] | None = None, timeout: float = 3.0):
+        # "router": the router's control-plane key (its worker API); "engine": the engines' API key (/get_load)
+        self.keys = keys or {}
         self.timeout = timeout
 
     def now(self) -> float:
@@ -50,13 +51,13 @@ class Host:
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
-    def request(self, method: str, url: str, body: dict | None = None) -> tuple[int, object]:
+    def request(self, method: str, url: str, body: dict | None = None, key: str = "router") -> tuple[int, object]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
+        if self.keys.get(key):
+            req.add_header("Authorization", f"Bearer {self.keys[key]}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = resp.read()
@@ -193,7 +194,7 @@ class Follower:
                    float(self.cfg.get("drain_timeout", 120)))
 
     def _idle(self, url: str) -> bool:
-        status, body = self.host.request("GET", url)
+        status, body = self.host.request("GET", url, key="engine")
         if status != 200 or not isinstance(body, list):
             return True  # no load endpoint to read: the drain timeout is all there is
         return sum(int(r.get("num_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in body) == 0
@@ -218,7 +219,8 @@ def main(argv: list[str]) -> int:
     path = argv[1] if len(argv) > 1 else DEFAULT_CONFIG
     with open(path, encoding="utf-8") as fh:
         config = json.load(fh)
-    follower = Follower(config, Host(api_key=config.get("api_key", "")))
+    follower = Follower(config, Host({"router": config.get("router_api_key", ""),
+                                      "engine": config.get("engine_api_key", "")}))
     state_file = config.get("state_file", "/run/k31/pd-follow.state.json")
     log(f"watching {', '.join(d['name'] for d in config['decodes'])} for {', '.join(config['units'])}")
     last = None

@@ -136,13 +136,15 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
             elif var == "k31_router_api_key":
                 keys[host.name] = value
     router = plan.get("router") or {}
+    check_control_planes(plan, hosts, keys, problems)
     if not keys:
         return
-    if router.get("kind") != "sglang":
-        what = ("router=dynamo: the Dynamo frontend (ai-dynamo 1.6.1) has no API key check, so the key would "
-                "guard nothing" if router.get("kind") == "dynamo" else "the plan has no router to check it")
-        problems.add(f"k31_router_api_key is set ({', '.join(keys)}) but {what}; unset it, or put the endpoint "
-                     f"behind router=sglang")
+    if router.get("kind") == "dynamo":
+        problems.add(f"k31_router_api_key is set ({', '.join(keys)}) but router=dynamo: the Dynamo frontend "
+                     f"(ai-dynamo 1.6.1) has no API key check, so the key would guard nothing (its clients present "
+                     f"a cluster-CA certificate instead); unset it, or put the endpoint behind router=sglang")
+        return
+    if not router:    # the unified engines serve clients themselves and check the key
         return
     if router.get("dialect") == "sgl-router":
         problems.add("k31_router_api_key cannot be kept out of the router's argv with router_dialect=sgl-router: "
@@ -160,6 +162,25 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
         problems.add(f"k31_router_api_key on {', '.join(differ)} is unset or not the router's ({router['host']}); "
                      f"the smoke check (localhost) and redeploys (engine hosts) send it, so set it once for group "
                      f"all (-e @secrets.yml does)")
+
+
+def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dict[str, str],
+                         problems: Problems) -> None:
+    """Every API the plan exposes is authenticated: engines serving HTTP (and the router in front of them)
+    check k31_router_api_key; Dynamo's control planes check certificates of the k31 cluster CA."""
+    serving = [r["host"] for s in plan["servers"] for r in s["ranks"] if r.get("auth_file")]
+    if serving and not keys:
+        problems.add(f"the engines' HTTP API ({', '.join(dict.fromkeys(serving))}) and the router in front of them "
+                     f"are authenticated with k31_router_api_key, which is not set; put it in Ansible Vault and pass "
+                     f"it for group all (-e @secrets.yml)")
+    if plan.get("pki"):
+        missing = [name for name in plan_hosts(plan) if name in hosts
+                   and not (hosts[name].has("k31_pki_ca_cert") and hosts[name].has("k31_pki_ca_key"))]
+        if missing:
+            problems.add(f"router=dynamo: its control planes (NATS, the request and response planes, the frontend) "
+                         f"authenticate with certificates of the k31 cluster CA, which {', '.join(missing)} lack; "
+                         f"run `k31 pki init --vars-file <inventory>/group_vars/all/k31_pki.yml "
+                         f"--vault-password-file FILE` and deploy with that vault password")
 
 
 def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
