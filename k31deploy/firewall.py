@@ -21,7 +21,6 @@ from typing import Any
 from k31deploy.errors import K31Error
 from k31deploy.recipe.catalog import catalog
 
-PUBLIC_SERVICES = {"sglang-router", "dynamo-frontend"}
 ANY = ["0.0.0.0/0", "::/0"]
 
 
@@ -56,6 +55,14 @@ def _networks(items: list[str], what: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(_network(i, what) for i in items))
 
 
+def client_endpoints(plan: dict[str, Any]) -> set[tuple[str, int]]:
+    """(host, port) clients use: the router or Dynamo frontend, else each unified server's rank 0."""
+    router = plan.get("router")
+    if router:
+        return {(router["host"], router["port"])}
+    return {(s["ranks"][0]["host"], s["port"]) for s in plan["servers"] if s["role"] == "unified"}
+
+
 def plan_addresses(plan: dict[str, Any]) -> list[str]:
     found = [r["address"] for s in plan["servers"] for r in s["ranks"]]
     for other in (plan.get("router"), plan.get("mooncake_master")):
@@ -70,10 +77,11 @@ def rules(plan: dict[str, Any], host: str, settings: Settings) -> list[Rule]:
     public = _networks(settings.public_sources, "k31_firewall_public_sources")
     out = [Rule(str(settings.ssh_port), _networks(settings.ssh_sources, "k31_firewall_ssh_sources"),
                 "ssh: the controller's way in")]
+    endpoint = client_endpoints(plan)
     for entry in plan.get("ports", []):
         if entry["host"] != host:
             continue
-        sources = public if entry["service"] in PUBLIC_SERVICES else cluster
+        sources = public if (entry["host"], entry["port"]) in endpoint else cluster
         out.append(Rule(str(entry["port"]), sources, f"{entry['service']}: {entry['purpose']}", entry["proto"]))
     mine = [(s, r) for s in plan["servers"] for r in s["ranks"] if r["host"] == host]
     if plan["topology"] == "pd" and mine:
@@ -108,7 +116,8 @@ def nftables(plan: dict[str, Any], host: str, settings: Settings) -> str:
         '    iif "lo" accept',
         "    ct state established,related accept",
         "    ct state invalid drop",
-        "    meta l4proto { icmp, ipv6-icmp } accept",
+        # ICMP (1) and ICMPv6 (58) by number: names need /etc/protocols, which minimal hosts lack.
+        "    meta l4proto { 1, 58 } accept",
     ]
     for rule in rules(plan, host, settings):
         port = f" {rule.proto} dport {rule.ports}" if rule.ports else f" meta l4proto {rule.proto}"

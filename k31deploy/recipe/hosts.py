@@ -8,6 +8,7 @@ k31_router, k31_mooncake_master; host var `k31_server` groups hosts into one mul
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -37,10 +38,17 @@ PLAYBOOK_VARS = {
     "k31_teardown_purge": "playbooks/teardown.yml",
 }
 ROLES_DIR = Path(__file__).resolve().parents[2] / "roles"
+# Role variables holding PEM text (several lines, so not the one-line strings the others must be).
+PEM_ROLE_VARS = {"k31_pki_ca_cert": "CERTIFICATE", "k31_pki_ca_key": "PRIVATE KEY"}
 # Role variables holding a host's fabric address (SGLANG_HOST_IP, the IMEX nodes config): IPs, not names.
 IP_ROLE_VARS = ("k31_rdma_host_ip", "k31_mnnvl_address")
 # Names k31 redeploy / k31 logs take as targets besides server names: a server may not be called so.
 RESERVED_SERVER_NAMES = (*ROLES, "router")
+
+
+def is_pem(kind: str, value: str) -> bool:
+    """Whether value is one PEM block of that kind (the only multi-line text a role variable may hold)."""
+    return bool(re.fullmatch(rf"\s*-----BEGIN {kind}-----\n[A-Za-z0-9+/=\n]+-----END {kind}-----\s*", value))
 
 
 @cache
@@ -199,6 +207,12 @@ def check_role_variable(var: str, value: Any, host: str) -> None:
             except ValueError:
                 raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid: an IPv4 or IPv6 "
                                f"address, or '' to take the host's default-route address") from None
+    if var in PEM_ROLE_VARS and isinstance(value, str) and "{{" not in value:
+        kind = PEM_ROLE_VARS[var]
+        if not is_pem(kind, value):
+            shown_value = "(value not shown: a secret)" if spec.get("no_log") else validate.shown(value[:40]) + "..."
+            raise K31Error(f"{var}={shown_value} (host {host}) is not valid; valid: a PEM {kind.lower()} as "
+                           f"`k31 pki init` writes it")
     if var.endswith("_extra_env") and isinstance(value, dict):    # lines of the engines' env files
         for key, item in value.items():
             try:

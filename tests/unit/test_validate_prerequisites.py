@@ -20,6 +20,8 @@ spec.loader.exec_module(kv)
 
 PD = {"platform": "mi355x", "agents": 92, "image": "reg/k31:rocm10", "model_path": "/models/kimi"}
 PLAYBOOK_DIR = str(REPO / "playbooks")
+PEM_CERT = "-----BEGIN CERTIFICATE-----\nMIIBfake+/=\n-----END CERTIFICATE-----\n"
+PEM_KEY = "-----BEGIN PRIVATE KEY-----\nMIIBfake+/=\n-----END PRIVATE KEY-----\n"
 
 
 class Tripping:
@@ -91,6 +93,16 @@ def test_a_router_key_that_does_not_resolve_to_one_line_is_refused(value, senten
     assert check(plan, hostvars, ["secrets"])[0] == sentence
 
 
+def test_the_cluster_ca_is_checked_for_its_pem_shape_not_for_line_breaks():
+    plan = resolve(PD)
+    good = cluster(plan, {"k31_router_api_key": "rk-1234567", "k31_pki_ca_cert": PEM_CERT, "k31_pki_ca_key": PEM_KEY})
+    assert check(plan, good, ["secrets"]) == []
+    bad = cluster(plan, {"k31_router_api_key": "rk-1234567", "k31_pki_ca_cert": PEM_CERT,
+                         "k31_pki_ca_key": PEM_CERT})
+    assert check(plan, bad, ["secrets"]) == [
+        "k31_pki_ca_key on node0, node1, localhost is not a PEM private key as `k31 pki init` writes it"]
+
+
 def test_the_same_problem_on_several_hosts_is_one_sentence():
     plan = resolve(PD)
     hostvars = cluster(plan, {"k31_engine_hf_token": "", "k31_router_api_key": "rk-1234567"})
@@ -120,7 +132,7 @@ def test_a_router_key_the_router_cannot_keep_out_of_argv_or_would_not_check_is_r
                                "--api-key")
     dynamo = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "speculative": "none"})
     assert dynamo["router"]["kind"] == "dynamo"
-    ca = {"k31_pki_ca_cert": "-----BEGIN CERTIFICATE-----", "k31_pki_ca_key": "-----BEGIN PRIVATE KEY-----"}
+    ca = {"k31_pki_ca_cert": PEM_CERT, "k31_pki_ca_key": PEM_KEY}
     [sentence] = check(dynamo, cluster(dynamo, {"k31_router_api_key": "rk-1234567", **ca}), ["secrets"])
     assert "router=dynamo: the Dynamo frontend (ai-dynamo 1.6.1) has no API key check" in sentence
     single = resolve({"platform": "mi355x", "agents": 16, "image": "reg/k31:rocm10"})
@@ -139,7 +151,7 @@ def test_every_exposed_api_is_authenticated_or_the_run_is_refused():
     assert sentence.startswith("router=dynamo: its control planes (NATS, the request and response planes, the "
                                "frontend) authenticate with certificates of the k31 cluster CA, which node0, node1, "
                                "node2, node3 lack; run `k31 pki init")
-    ca = {"k31_pki_ca_cert": "-----BEGIN CERTIFICATE-----", "k31_pki_ca_key": "-----BEGIN PRIVATE KEY-----"}
+    ca = {"k31_pki_ca_cert": PEM_CERT, "k31_pki_ca_key": PEM_KEY}
     assert check(dynamo, cluster(dynamo, ca), ["secrets"]) == []
 
 

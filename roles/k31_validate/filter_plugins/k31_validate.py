@@ -19,6 +19,7 @@ from ansible.module_utils.parsing.convert_bool import boolean
 try:
     from k31deploy import wheelhouse
     from k31deploy.errors import K31Error
+    from k31deploy.recipe.hosts import PEM_ROLE_VARS, is_pem
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -130,6 +131,11 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
             if not value.strip():
                 problems.add(f"{var} is set but empty on {{hosts}}; give the secret (Ansible Vault) or remove {var}",
                              host.name)
+            elif var in PEM_ROLE_VARS:    # PEM text: several lines by design, checked for its shape instead
+                kind = PEM_ROLE_VARS[var]
+                if not is_pem(kind, value):
+                    problems.add(f"{var} on {{hosts}} is not a PEM {kind.lower()} as `k31 pki init` writes it",
+                                 host.name)
             elif CONTROL.search(value):
                 problems.add(f"{var} on {{hosts}} holds a control character (a line break?); a secret must be one "
                              f"line", host.name)
