@@ -65,11 +65,12 @@ def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str,
 
 
 def k31_service_command(argv: list[str], runtime: str, unit: str, image: str | None, venv: str,
-                        container_cli: str = "docker", env_file: str | None = None) -> list[str]:
+                        container_cli: str = "docker", env_file: str | None = None,
+                        mounts: list[str] | None = None) -> list[str]:
     """Router, Dynamo frontend or Mooncake master command for the host's runtime (container or venv)."""
     try:
         return launch.service_command(argv, runtime, unit=unit, image=image, venv=venv,
-                                      container_cli=container_cli, env_file=env_file)
+                                      container_cli=container_cli, env_file=env_file, mounts=mounts)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 

@@ -111,8 +111,10 @@ def http_url(address: str, port: int, scheme: str = "http") -> str:
 
 
 def endpoint_scheme(plan: dict[str, Any]) -> str:
-    """https behind the Dynamo frontend (it takes clients with a cluster-CA certificate), else http."""
-    return "https" if (plan.get("router") or {}).get("kind") == "dynamo" else "http"
+    """https behind the Dynamo frontend (it takes clients with a cluster-CA certificate) or with public_tls,
+    else http."""
+    router = plan.get("router") or {}
+    return "https" if router.get("kind") == "dynamo" or router.get("tls") else "http"
 
 
 def endpoint(plan: dict[str, Any]) -> str:
@@ -139,7 +141,8 @@ def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 def service_command(argv: list[str], runtime: str, *, unit: str, image: str | None, venv: str,
                     container_cli: str = "docker", env_file: str | None = None,
                     secret_flags: dict[str, str] | None = None,
-                    secret_exec: str = "/usr/local/lib/k31/k31-secret-exec.py") -> list[str]:
+                    secret_exec: str = "/usr/local/lib/k31/k31-secret-exec.py",
+                    mounts: list[str] | None = None) -> list[str]:
     """The router, Dynamo frontend or Mooncake master command for the host's runtime: the serving
     image with host networking, or the same program from a venv (a Python module through the venv's
     interpreter, a binary from the venv's bin/).
@@ -149,6 +152,7 @@ def service_command(argv: list[str], runtime: str, *, unit: str, image: str | No
     shows them to every local user: the program starts through `secret_exec` (roles/k31_router/files/
     k31-secret-exec.py), which reads each value from the environment (the unit's 0600 env file) and adds
     the flag in-process. Only a Python module can be started that way; a binary is refused.
+    `mounts` are host folders the program reads (certificates: the plan's `mounts`), read-only in a container.
     """
     if secret_flags:
         if argv[:2] != ["python3", "-m"]:
@@ -166,5 +170,6 @@ def service_command(argv: list[str], runtime: str, *, unit: str, image: str | No
         raise K31Error(f"image is {image}: set k31_image to the serving image before a deploy")
     env = ["--env-file", env_file] if env_file else []
     # The launcher lives on the host; the container sees it read-only at the same path.
-    mounts = ["-v", f"{secret_exec}:{secret_exec}:ro"] if secret_flags else []
-    return [container_cli, "run", "--rm", "--name", unit, "--network=host", *env, *mounts, image, *argv]
+    files = [*([secret_exec] if secret_flags else []), *(mounts or [])]
+    volumes = [t for path in files for t in ("-v", f"{path}:{path}:ro")]
+    return [container_cli, "run", "--rm", "--name", unit, "--network=host", *env, *volumes, image, *argv]

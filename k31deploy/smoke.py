@@ -176,25 +176,25 @@ def validate(base_url: str, model: str, timeout: float) -> None:
 
 @dataclass(frozen=True)
 class ClientTLS:
-    """A client certificate of the k31 cluster CA, for an endpoint that takes only those (the Dynamo
-    frontend): the CA to verify the server with, the certificate and its key."""
+    """TLS settings for an https endpoint: the CA to verify the server with (None: this machine's trust store)
+    and, for an endpoint that takes only clients with a k31 cluster-CA certificate (the Dynamo frontend), that
+    certificate and its key."""
 
-    ca: str
-    cert: str
-    key: str
+    ca: str | None
+    cert: str | None = None
+    key: str | None = None
 
     @classmethod
     def from_args(cls, ca: str | None, cert: str | None, key: str | None) -> ClientTLS | None:
-        given = [x for x in (ca, cert, key) if x]
-        if not given:
+        if not (ca or cert or key):
             return None
-        if len(given) != 3:
-            raise K31Error("--ca-cert, --client-cert and --client-key go together; give all three (k31 pki "
-                           "client-cert writes them)")
+        if bool(cert) != bool(key):
+            raise K31Error("--client-cert and --client-key go together; give both (k31 pki client-cert writes "
+                           "them)")
         for flag, path in (("--ca-cert", ca), ("--client-cert", cert), ("--client-key", key)):
-            if not Path(path).expanduser().is_file():
+            if path and not Path(path).expanduser().is_file():
                 raise K31Error(f"{flag} {path} does not exist")
-        return cls(str(Path(ca).expanduser()), str(Path(cert).expanduser()), str(Path(key).expanduser()))
+        return cls(*(str(Path(p).expanduser()) if p else None for p in (ca, cert, key)))
 
 
 def run_smoke(base_url: str, model: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -218,7 +218,8 @@ def run_smoke(base_url: str, model: str, api_key: str | None = None, timeout: fl
         import ssl
 
         context = ssl.create_default_context(cafile=tls.ca)
-        context.load_cert_chain(tls.cert, tls.key)
+        if tls.cert:
+            context.load_cert_chain(tls.cert, tls.key)
         http_client = httpx.Client(verify=context, timeout=limits)
     # No retries: a retried request would hide the failure the smoke is there to show.
     client = OpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=limits,
@@ -288,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ca-cert", help="the k31 cluster CA certificate (for an https endpoint wanting client certs)")
+    p.add_argument("--ca-cert", help="CA certificate to verify an https endpoint with: the k31 cluster CA's behind "
+                                     "Dynamo, the site's with public_tls (default: this machine's trust store)")
     p.add_argument("--client-cert", help="a client certificate of that CA (k31 pki client-cert)")
     p.add_argument("--client-key", help="its key")
 

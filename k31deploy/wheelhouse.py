@@ -257,9 +257,10 @@ def install(
             f"wheelhouse {wheelhouse} lacks {len(lacking)} file(s) of set {set_name} (first: {lacking[0]}); "
             f"run `k31 wheelhouse build --set {set_name}` or copy a complete wheelhouse there"
         )
-    if not (venv / "bin" / "python").exists():
+    # A venv whose creation was cut short has python but no pip: made again (--clear) rather than used.
+    if not (venv / "bin" / "python").exists() or not (venv / "bin" / "pip").exists():
         check_python(python)
-        if run([python, "-m", "venv", str(venv)]) != 0:
+        if run([python, "-m", "venv", "--clear", str(venv)]) != 0:
             raise K31Error(f"could not create a venv at {venv} with {python}")
     for argv in install_commands(set_name, venv, wheelhouse):
         code = run(argv)

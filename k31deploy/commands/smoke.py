@@ -55,9 +55,11 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     key = read_api_key(args.api_key_file)
     tls = ClientTLS.from_args(args.ca_cert, args.client_cert, args.client_key)
     scheme = endpoint_scheme(plan)
-    if scheme == "https" and tls is None:
-        raise K31Error("the Dynamo frontend takes only clients with a certificate of the k31 cluster CA; give "
-                       "--ca-cert, --client-cert and --client-key (`k31 pki client-cert` writes them)")
+    if plan["router"] and plan["router"]["kind"] == "dynamo" and (tls is None or tls.cert is None):
+        ca = ("the site's CA that signed the frontend's certificate (public_tls), unless this machine trusts it"
+              if plan["router"].get("tls") else "the cluster CA's certificate")
+        raise K31Error(f"the Dynamo frontend takes only clients with a certificate of the k31 cluster CA; give "
+                       f"--client-cert and --client-key (`k31 pki client-cert` writes them) and --ca-cert: {ca}")
     target = http_url(address, port, scheme)
     validate(target, plan["model"], args.timeout)  # before a tunnel is opened for nothing
     if args.via:

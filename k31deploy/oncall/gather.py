@@ -13,7 +13,7 @@ from typing import Any
 
 from k31deploy import address
 from k31deploy.errors import K31Error
-from k31deploy.oncall.rollout import http, worker_url
+from k31deploy.oncall.rollout import http, router_url, worker_url
 
 PROBE = Path(__file__).with_name("probe.py")
 TASK_TIMEOUT_S = 20
@@ -38,12 +38,14 @@ def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
     router = plan.get("router")
     if router:
         if router["kind"] == "sglang":    # its worker API wants the control-plane key, in its own env file
-            base = http(router["public_address"], router["port"])
+            base = router_url(router)
             urls = {"readiness": f"{base}/readiness", "workers": f"{base}/workers",
                     "auth": {"env_file": f"/etc/k31/{router['unit']}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}}
         else:    # the Dynamo frontend takes clients with a cluster-CA certificate: the host's own
             base = address.url("https", router["public_address"], router["port"])
             urls = {"models": f"{base}/v1/models", "auth": dict(plan["pki"])}
+        if router.get("tls"):    # the site's certificate, for the name clients use
+            urls["auth"]["own_tls"] = True
         specs[router["host"]]["units"][router["unit"]] = urls
     return specs
 

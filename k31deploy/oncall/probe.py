@@ -8,6 +8,7 @@ The controller appends a line calling cli() with what to probe on every host.
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -82,17 +83,20 @@ def env_value(path, var):
 def http(url, timeout=3.0, auth=None):
     """GET url. auth: {"env_file", "var"} -> a Bearer key read from the unit's own env file (the router's
     control-plane key: the last field of id:name:role:key); {"ca", "cert", "key"} -> mutual TLS with the
-    host's cluster certificate (the Dynamo frontend)."""
+    host's cluster certificate (the Dynamo frontend); "own_tls" -> the unit serves the site's certificate
+    (public_tls) and the probe, asking its own host, does not check it."""
     headers, context = {}, None
     if auth and auth.get("env_file"):
         value = env_value(auth["env_file"], auth["var"])
         if value:
             headers["Authorization"] = "Bearer " + value.rsplit(":", 1)[-1]
-    if auth and auth.get("cert"):
-        import ssl
-
-        context = ssl.create_default_context(cafile=auth["ca"])
-        context.load_cert_chain(auth["cert"], auth["key"])
+    if auth and (auth.get("cert") or auth.get("own_tls")):
+        context = ssl.create_default_context(cafile=auth.get("ca"))
+        if auth.get("own_tls"):
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if auth.get("cert"):
+            context.load_cert_chain(auth["cert"], auth["key"])
     try:
         request = urllib.request.Request(url, headers=headers)
         with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:

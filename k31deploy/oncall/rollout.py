@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k31deploy.address import http_url
+from k31deploy.address import http_url, url
 from k31deploy.errors import K31Error
 
 ROLES = ("decode", "prefill", "unified")  # also the rollout's phase order: prefills follow their decodes
@@ -18,6 +18,11 @@ RULE = "the prefill keeps the old decode's Mooncake mapping (seed, PD disaggrega
 
 def http(address: str, port: int, path: str = "") -> str:
     return http_url(address, port, path)
+
+
+def router_url(router: dict[str, Any]) -> str:
+    """The router's base URL at its public address: https with public_tls."""
+    return url("https" if router.get("tls") else "http", router["public_address"], router["port"])
 
 
 def worker_url(server: dict[str, Any]) -> str:
@@ -126,7 +131,7 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
         "hold_decodes": hold,
         "hold_hosts": [h for s in steps if s["role"] == "prefill" for h in s["hosts"]] if decodes else [],
         "router": {"kind": router["kind"], "host": router["host"], "port": router["port"],
-                   "url": http(router["public_address"], router["port"])} if router else None,
+                   "url": router_url(router)} if router else None,
         "drain": drain,
         "notes": notes,
     }
@@ -143,7 +148,8 @@ def follow_config(plan: dict[str, Any], host: str, **settings: Any) -> dict[str,
     drains = []
     for _, server, rank in mine:
         if rank["node_rank"] == 0 and router and router["kind"] == "sglang":
-            drains.append({"router": http(router["public_address"], router["port"]),
+            drains.append({"router": router_url(router),
+                           "router_ca": router["tls"]["ca"] if router.get("tls") else None,
                            "worker_url": worker_url(server), "bootstrap_port": server.get("bootstrap_port"),
                            "health": http(rank["address"], server["port"], "/health"),
                            "load": http(rank["address"], server["port"], "/get_load")})

@@ -251,6 +251,7 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
         return None
     cat, host = r.cat, r.router_host
     cfg = cat["router"]
+    tls = dict(cat["public_tls"]) if r.public_tls else None
     if r.router == "dynamo":
         dyn = cat["dynamo"]
         argv = [*dyn["frontend"], "--http-host", host.public_address, "--http-port", str(cat["ports"]["router"]),
@@ -261,8 +262,11 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
         env = EngineArgv(r).dynamo_discovery_env(host.address)
         env["DYN_TCP_RESPONSE_STREAM_PORT"] = str(cat["ports"]["dynamo_response"])
         env.update({key: cat["pki"][part] for key, part in dyn["frontend_tls_env"].items()})
+        if tls:    # the site's certificate faces clients; their certificates still come from the cluster CA
+            env.update({"DYN_TLS_CERT_PATH": tls["cert"], "DYN_TLS_KEY_PATH": tls["key"]})
         return {"kind": "dynamo", "host": host.name, "address": host.address,
-                "public_address": host.public_address, "port": cat["ports"]["router"],
+                "public_address": host.public_address, "port": cat["ports"]["router"], "tls": tls,
+                "mounts": [cat["pki"]["dir"], *([tls["dir"]] if tls else [])],
                 "unit": "k31-dynamo-frontend", "argv": argv, "env": env,
                 "discovery": {"etcd_port": cat["ports"]["etcd"], "nats_port": cat["ports"]["nats"],
                               "etcd_user": dyn["etcd_user"]}}
@@ -291,9 +295,12 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
     argv += ["--request-timeout-secs", str(cfg["request_timeout_secs"])]
     if dialect["metrics_flags"]:
         argv += ["--prometheus-host", host.address, "--prometheus-port", str(cat["ports"]["router_metrics"])]
+    if tls:
+        argv += ["--tls-cert-path", tls["cert"], "--tls-key-path", tls["key"]]
     launcher_len = len(dialect["launcher"])
     r.emit_check("router", argv[launcher_len:])
     return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,
-            "public_address": host.public_address, "port": cat["ports"]["router"], "unit": "k31-router",
+            "public_address": host.public_address, "port": cat["ports"]["router"], "tls": tls,
+            "mounts": [tls["dir"]] if tls else [], "unit": "k31-router",
             "argv": argv, "env": dict(cfg["env"]),
             "metrics_port": cat["ports"]["router_metrics"] if dialect["metrics_flags"] else None}

@@ -38,8 +38,12 @@ PLAYBOOK_VARS = {
     "k31_teardown_purge": "playbooks/teardown.yml",
 }
 ROLES_DIR = Path(__file__).resolve().parents[2] / "roles"
-# Role variables holding PEM text (several lines, so not the one-line strings the others must be).
-PEM_ROLE_VARS = {"k31_pki_ca_cert": "CERTIFICATE", "k31_pki_ca_key": "PRIVATE KEY"}
+# Role variables holding PEM text (several lines, so not the one-line strings the others must be): what each
+# holds. The site's certificate may be a chain, its key any PEM private key.
+PEM_ROLE_VARS = {"k31_pki_ca_cert": "certificate", "k31_pki_ca_key": "private key",
+                 "k31_pki_public_cert": "certificate", "k31_pki_public_key": "private key",
+                 "k31_pki_public_ca": "certificate"}
+PEM_LABELS = {"certificate": "CERTIFICATE", "private key": "(?:RSA |EC |ENCRYPTED )?PRIVATE KEY"}
 # Role variables holding a host's fabric address (SGLANG_HOST_IP, the IMEX nodes config): IPs, not names.
 IP_ROLE_VARS = ("k31_rdma_host_ip", "k31_mnnvl_address")
 # Names k31 redeploy / k31 logs take as targets besides server names: a server may not be called so.
@@ -47,8 +51,11 @@ RESERVED_SERVER_NAMES = (*ROLES, "router")
 
 
 def is_pem(kind: str, value: str) -> bool:
-    """Whether value is one PEM block of that kind (the only multi-line text a role variable may hold)."""
-    return bool(re.fullmatch(rf"\s*-----BEGIN {kind}-----\n[A-Za-z0-9+/=\n]+-----END {kind}-----\s*", value))
+    """Whether value is PEM text of that kind (the only multi-line text a role variable may hold): one private
+    key, or certificates (a chain)."""
+    label = PEM_LABELS[kind]
+    block = rf"\s*-----BEGIN ({label})-----\n[A-Za-z0-9+/=\n]+-----END \1-----\s*"
+    return bool(re.fullmatch(rf"(?:{block})+" if kind == "certificate" else block, value))
 
 
 @cache
@@ -211,8 +218,7 @@ def check_role_variable(var: str, value: Any, host: str) -> None:
         kind = PEM_ROLE_VARS[var]
         if not is_pem(kind, value):
             shown_value = "(value not shown: a secret)" if spec.get("no_log") else validate.shown(value[:40]) + "..."
-            raise K31Error(f"{var}={shown_value} (host {host}) is not valid; valid: a PEM {kind.lower()} as "
-                           f"`k31 pki init` writes it")
+            raise K31Error(f"{var}={shown_value} (host {host}) is not valid; valid: a PEM {kind}")
     if var.endswith("_extra_env") and isinstance(value, dict):    # lines of the engines' env files
         for key, item in value.items():
             try:

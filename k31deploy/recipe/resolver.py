@@ -257,6 +257,15 @@ class _Resolver:
         if self.router == "sglang" and self.dialect == "sgl-router" and self.topology == "unified":
             raise K31Error("router_dialect=sgl-router is the seed's PD command (--prefill/--decode); unified "
                            "servers need router_dialect=launch_router (--worker-urls)")
+        self.public_tls = bool(self.knob("public_tls", False))
+        if self.public_tls and self.router == "none":
+            raise K31Error("public_tls=true needs a router or the Dynamo frontend to serve HTTPS: with router=none "
+                           "the unified engines serve clients themselves; valid choices: router=sglang, "
+                           "router=dynamo, or public_tls=false")
+        if self.public_tls and self.router == "sglang" and self.dialect == "sgl-router":
+            raise K31Error("public_tls=true with router_dialect=sgl-router: the seed's sgl-router command shows no "
+                           "TLS flag, so k31 cannot serve HTTPS with it; valid choices: router_dialect=launch_router "
+                           "(--tls-cert-path / --tls-key-path), or public_tls=false")
 
     def _place(self) -> None:
         """Servers with their hosts: from the inventory, or placeholders laid out as the recipe needs."""

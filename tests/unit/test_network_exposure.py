@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from recipe_helpers import flag
 
-from k31deploy import pki
+from k31deploy import launch, pki
+from k31deploy.errors import K31Error
+from k31deploy.oncall.rollout import follow_config, rollout
 from k31deploy.recipe import from_mapping, resolve
 
 
@@ -66,3 +69,47 @@ def test_certificates_name_what_each_host_is_reached_by_and_secrets_derive_per_p
     assert pki.derived_secret(key, "nats-token") == pki.derived_secret(key, "nats-token")
     assert len({pki.derived_secret(key, p) for p in ("nats-token", "etcd-password", "etcd-root-password")}) == 3
     assert pki.derived_secret(pki.new_ca().key, "nats-token") != pki.derived_secret(key, "nats-token")
+
+
+# -- public_tls: the client endpoint serves HTTPS with the site's certificate ------------------------------
+
+
+def test_public_tls_puts_the_sites_certificate_on_the_sglang_router():
+    plan = resolve({"platform": "mi355x", "agents": 92, "public_tls": True}, hosts())
+    router = plan["router"]
+    assert flag(router["argv"], "--tls-cert-path") == "/etc/k31/tls/public.crt"
+    assert flag(router["argv"], "--tls-key-path") == "/etc/k31/tls/public.key"
+    assert router["mounts"] == ["/etc/k31/tls"] and router["tls"]["ca"] == "/etc/k31/tls/ca.crt"
+    assert launch.endpoint(plan) == "https://192.0.2.9:8000/v1"
+    assert plan["pki"] is None                       # no cluster CA needed for the site's certificate
+    assert rollout(plan, ["d0"])["router"]["url"] == "https://192.0.2.9:8000"
+    follow = follow_config(plan, "p0")
+    assert follow["drains"][0]["router"] == "https://192.0.2.9:8000"
+    assert follow["drains"][0]["router_ca"] == "/etc/k31/tls/ca.crt"
+    assert "--tls-cert-path" not in resolve({"platform": "mi355x", "agents": 92}, hosts())["router"]["argv"]
+
+
+def test_public_tls_behind_dynamo_swaps_the_frontends_certificate_and_keeps_client_certificates():
+    plan = resolve({"platform": "b300", "topology": "pd", "prefill_strategy": "low-latency",
+                    "max_running_requests": 8, "public_tls": True}, hosts())
+    env = plan["router"]["env"]
+    assert (env["DYN_TLS_CERT_PATH"], env["DYN_TLS_KEY_PATH"]) == ("/etc/k31/tls/public.crt", "/etc/k31/tls/public.key")
+    assert env["DYN_TLS_CLIENT_CA_CERT_PATH"] == plan["pki"]["ca"]     # clients still show a cluster-CA certificate
+    assert plan["router"]["mounts"] == ["/etc/k31/pki", "/etc/k31/tls"]
+
+
+@pytest.mark.parametrize("knobs, match", [
+    ({"platform": "mi355x", "agents": 32}, r"public_tls=true needs a router .* valid choices: router=sglang"),
+    ({"platform": "mi355x", "agents": 92, "router_dialect": "sgl-router"},
+     r"public_tls=true with router_dialect=sgl-router: .* valid choices: router_dialect=launch_router"),
+])
+def test_public_tls_is_refused_where_nothing_can_serve_it(knobs, match):
+    with pytest.raises(K31Error, match=match):
+        resolve({**knobs, "public_tls": True})
+
+
+def test_a_service_container_mounts_the_folders_of_its_certificates_read_only():
+    argv = launch.service_command(["python3", "-m", "dynamo.frontend"], "container", unit="k31-dynamo-frontend",
+                                  image="img", venv="/v", mounts=["/etc/k31/pki", "/etc/k31/tls"])
+    assert argv[argv.index("img") - 4:argv.index("img")] == ["-v", "/etc/k31/pki:/etc/k31/pki:ro",
+                                                             "-v", "/etc/k31/tls:/etc/k31/tls:ro"]

@@ -455,3 +455,72 @@ def test_via_input_errors(jump, tmp_path):
         k31(["smoke", "-i", inv, "--via", "jump"])
     with pytest.raises(K31Error, match=r"--via nowhere is not a host of inventory .*; hosts: .*jump"):
         k31(["smoke", "-i", inv, "--via", "nowhere"])
+
+
+# -- https endpoints (public_tls: the site's certificate; Dynamo: client certificates) ---------------------
+
+
+@pytest.fixture
+def https_standin(tmp_path):
+    """A stand-in serving HTTPS with a certificate of a site CA for 127.0.0.1; yields (url, ca file)."""
+    import ssl
+
+    from k31deploy import pki
+    from k31deploy.standin.server import _Server
+
+    site = pki.new_ca("site CA")
+    leaf = pki.issue(site, "router", ["127.0.0.1"])
+    files = {}
+    for name, text in (("ca.crt", site.cert), ("server.crt", leaf.cert), ("server.key", leaf.key),
+                       ("other-ca.crt", pki.new_ca("someone else").cert)):
+        (tmp_path / name).write_text(text)
+        files[name] = str(tmp_path / name)
+    engine = Engine(parse_args(["--model-path", "/models/kimi", "--served-model-name", MODEL, *PARSERS]), env={})
+    server = _Server(("127.0.0.1", 0), type("Handler", (EngineHandler,), {"engine": engine}))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(files["server.crt"], files["server.key"])
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_address[1]}/v1", files
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_https_endpoint_passes_when_its_certificate_checks_out_against_the_given_ca(https_standin):
+    url, files = https_standin
+    from k31deploy.smoke import ClientTLS
+
+    assert all(outcome(run_smoke(url, MODEL, tls=ClientTLS.from_args(files["ca.crt"], None, None))).values())
+    refused = run_smoke(url, MODEL, timeout=5, tls=ClientTLS.from_args(files["other-ca.crt"], None, None))
+    assert not any(outcome(refused).values())       # a certificate the CA did not sign: no request is sent
+
+
+@pytest.mark.parametrize("args, message", [
+    ((None, "c.crt", None), "--client-cert and --client-key go together"),
+    (("/nonexistent/ca.crt", None, None), "--ca-cert /nonexistent/ca.crt does not exist"),
+])
+def test_tls_arguments_are_checked(args, message):
+    from k31deploy.smoke import ClientTLS
+
+    with pytest.raises(K31Error, match=re.escape(message)):
+        ClientTLS.from_args(*args)
+
+
+def test_k31_smoke_asks_dynamo_for_a_client_certificate_and_public_tls_for_https(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(smoke_cmd, "run_smoke", lambda url, *a, tls=None, **kw: seen.append((url, tls)) or [])
+    dynamo = tmp_path / "dynamo.ini"
+    dynamo.write_text("[k31_prefill]\np0 ansible_host=10.31.0.1\n[k31_decode]\nd0 ansible_host=10.31.0.2\n"
+                      "[k31_router]\nr0 ansible_host=10.31.0.3\n[all:vars]\nk31_platform=b300\nk31_topology=pd\n"
+                      "k31_prefill_strategy=low-latency\nk31_max_running_requests=8\n")
+    with pytest.raises(K31Error, match=r"Dynamo frontend takes only clients with a certificate .* --client-cert"):
+        k31(["smoke", "-i", str(dynamo)])
+    ca = tmp_path / "ca.crt"
+    ca.write_text("x")
+    with pytest.raises(K31Error, match="--client-cert and --client-key"):
+        k31(["smoke", "-i", str(dynamo), "--ca-cert", str(ca)])
+    public = tmp_path / "public.ini"
+    public.write_text(UNIFIED_INVENTORY.replace("[all:vars]", "[k31_router]\nr0 ansible_host=10.31.0.9\n"
+                                                               "[all:vars]\nk31_public_tls=true"))
+    assert k31(["smoke", "-i", str(public)]) == 0     # the site's certificate: this machine's trust store
+    assert seen == [("https://10.31.0.9:8000/v1", None)]

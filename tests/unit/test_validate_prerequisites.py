@@ -100,7 +100,7 @@ def test_the_cluster_ca_is_checked_for_its_pem_shape_not_for_line_breaks():
     bad = cluster(plan, {"k31_router_api_key": "rk-1234567", "k31_pki_ca_cert": PEM_CERT,
                          "k31_pki_ca_key": PEM_CERT})
     assert check(plan, bad, ["secrets"]) == [
-        "k31_pki_ca_key on node0, node1, localhost is not a PEM private key as `k31 pki init` writes it"]
+        "k31_pki_ca_key on node0, node1, localhost is not a PEM private key"]
 
 
 def test_the_same_problem_on_several_hosts_is_one_sentence():
@@ -247,3 +247,16 @@ def test_problem_names_the_command_that_fixes_it(tmp_path):
         f"run `k31 wheelhouse build --set router --dest {tmp_path / 'x'}` (or copy a complete wheelhouse there)")
     with pytest.raises(Exception, match="unknown"):
         wheelhouse.problem("floppy", tmp_path, "x86_64")
+
+
+def test_public_tls_needs_the_sites_certificate_and_key_on_the_router_host():
+    plan = resolve({**PD, "public_tls": True})
+    router = plan["router"]["host"]
+    bare = cluster(plan, {"k31_router_api_key": "rk-1234567"})
+    assert check(plan, bare, ["secrets"]) == [
+        f"public_tls=true: the router host {router} serves clients over HTTPS with the site's certificate, and "
+        f"k31_pki_public_cert and k31_pki_public_key are not set there; give the PEM certificate (naming "
+        f"{plan['router']['public_address']}) and its key (Ansible Vault), or set k31_public_tls=false"]
+    given = cluster(plan, {"k31_router_api_key": "rk-1234567", "k31_pki_public_cert": PEM_CERT,
+                           "k31_pki_public_key": PEM_KEY.replace("PRIVATE KEY", "EC PRIVATE KEY")})
+    assert check(plan, given, ["secrets"]) == []

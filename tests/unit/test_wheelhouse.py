@@ -261,6 +261,7 @@ def test_install_creates_the_venv_runs_pip_offline_then_skips(tmp_path, monkeypa
         if argv[1:3] == ["-m", "venv"]:
             (venv / "bin").mkdir(parents=True)
             (venv / "bin" / "python").write_text("")
+            (venv / "bin" / "pip").write_text("")
         return 0
 
     calls = []
@@ -273,7 +274,7 @@ def test_install_creates_the_venv_runs_pip_offline_then_skips(tmp_path, monkeypa
         say=lambda _: None,
     )
     assert checked == ["/usr/bin/python3"]
-    assert calls[0] == ["/usr/bin/python3", "-m", "venv", str(venv)]
+    assert calls[0] == ["/usr/bin/python3", "-m", "venv", "--clear", str(venv)]
     assert calls[1:] == wh.install_commands("dynamo", venv, house)
 
     again = FakePip()
@@ -283,11 +284,23 @@ def test_install_creates_the_venv_runs_pip_offline_then_skips(tmp_path, monkeypa
     assert "nothing installed" in said[0]
 
 
+def test_a_venv_cut_short_before_pip_is_made_again(tmp_path, monkeypatch):
+    house = complete_house(tmp_path / "house", "router")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")    # `python -m venv` killed before ensurepip ran
+    monkeypatch.setattr(wh, "check_python", lambda _: None)
+    pip = FakePip()
+    wh.install("router", venv, house, python="/usr/bin/python3", run=pip, say=lambda _: None)
+    assert pip.calls[0] == ["/usr/bin/python3", "-m", "venv", "--clear", str(venv)]
+
+
 def test_install_reinstalls_when_the_pins_change(tmp_path, monkeypatch):
     house = complete_house(tmp_path / "house", "router")
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
+    (venv / "bin" / "pip").write_text("")
     (venv / ".k31-wheelhouse-router").write_text("sglang-router==0.3.1\n")
     pip = FakePip()
     wh.install("router", venv, house, run=pip, say=lambda _: None)
@@ -298,6 +311,7 @@ def test_install_reports_a_failing_pip(tmp_path):
     house = complete_house(tmp_path / "house", "router")
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").write_text("")
+    (tmp_path / "venv" / "bin" / "pip").write_text("")
     with pytest.raises(K31Error, match="offline pip install of set router"):
         wh.install("router", tmp_path / "venv", house, run=FakePip(code=1), say=lambda _: None)
 

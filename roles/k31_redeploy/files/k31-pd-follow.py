@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -40,10 +41,13 @@ def log(message: str) -> None:
 class Host:
     """What the watcher does to the world; replaced by a fake in the unit tests."""
 
-    def __init__(self, keys: dict[str, str] | None = None, timeout: float = 3.0):
+    def __init__(self, keys: dict[str, str] | None = None, timeout: float = 3.0, ca: str | None = None):
         # "router": the router's control-plane key (its worker API); "engine": the engines' API key (/get_load)
         self.keys = keys or {}
         self.timeout = timeout
+        # An https router (public_tls) is verified against the site's CA file where k31 installed one, else
+        # against the host's trust store: the control-plane key goes only to the router's own certificate.
+        self.tls = ssl.create_default_context(cafile=ca if ca and os.path.exists(ca) else None)
 
     def now(self) -> float:
         return time.monotonic()
@@ -59,7 +63,8 @@ class Host:
         if self.keys.get(key):
             req.add_header("Authorization", f"Bearer {self.keys[key]}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout,
+                                        context=self.tls if url.startswith("https:") else None) as resp:
                 raw = resp.read()
                 status = resp.status
         except urllib.error.HTTPError as exc:
@@ -220,7 +225,8 @@ def main(argv: list[str]) -> int:
     with open(path, encoding="utf-8") as fh:
         config = json.load(fh)
     follower = Follower(config, Host({"router": config.get("router_api_key", ""),
-                                      "engine": config.get("engine_api_key", "")}))
+                                      "engine": config.get("engine_api_key", "")},
+                                     ca=next((d["router_ca"] for d in config["drains"] if d.get("router_ca")), None)))
     state_file = config.get("state_file", "/run/k31/pd-follow.state.json")
     log(f"watching {', '.join(d['name'] for d in config['decodes'])} for {', '.join(config['units'])}")
     last = None

@@ -15,12 +15,14 @@ except ImportError as exc:  # pragma: no cover - only without the package instal
 
 def k31_router_command(argv: list[str], runtime: str, unit: str, image: str | None, venv: str,
                        container_cli: str = "docker", env_file: str | None = None,
-                       secret_flags: dict[str, str] | None = None, secret_exec: str | None = None) -> list[str]:
+                       secret_flags: dict[str, str] | None = None, secret_exec: str | None = None,
+                       mounts: list[str] | None = None) -> list[str]:
     """The router's command for the host's runtime; `secret_flags` ({flag: env var}) go through k31-secret-exec."""
     extra: dict[str, Any] = {"secret_exec": secret_exec} if secret_exec else {}
     try:
         return launch.service_command(argv, runtime, unit=unit, image=image, venv=venv, container_cli=container_cli,
-                                      env_file=env_file, secret_flags=dict(secret_flags or {}), **extra)
+                                      env_file=env_file, secret_flags=dict(secret_flags or {}), mounts=mounts,
+                                      **extra)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 

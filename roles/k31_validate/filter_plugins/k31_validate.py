@@ -134,8 +134,7 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
             elif var in PEM_ROLE_VARS:    # PEM text: several lines by design, checked for its shape instead
                 kind = PEM_ROLE_VARS[var]
                 if not is_pem(kind, value):
-                    problems.add(f"{var} on {{hosts}} is not a PEM {kind.lower()} as `k31 pki init` writes it",
-                                 host.name)
+                    problems.add(f"{var} on {{hosts}} is not a PEM {kind}", host.name)
             elif CONTROL.search(value):
                 problems.add(f"{var} on {{hosts}} holds a control character (a line break?); a secret must be one "
                              f"line", host.name)
@@ -187,6 +186,14 @@ def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dic
                          f"authenticate with certificates of the k31 cluster CA, which {', '.join(missing)} lack; "
                          f"run `k31 pki init --vars-file <inventory>/group_vars/all/k31_pki.yml "
                          f"--vault-password-file FILE` and deploy with that vault password")
+    router = plan.get("router") or {}
+    if router.get("tls") and router["host"] in hosts:
+        lacking = [v for v in ("k31_pki_public_cert", "k31_pki_public_key") if not hosts[router["host"]].has(v)]
+        if lacking:
+            problems.add(f"public_tls=true: the router host {router['host']} serves clients over HTTPS with the "
+                         f"site's certificate, and {' and '.join(lacking)} {'is' if len(lacking) == 1 else 'are'} "
+                         f"not set there; give the PEM certificate (naming {router['public_address']}) and its key "
+                         f"(Ansible Vault), or set k31_public_tls=false")
 
 
 def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
