@@ -19,7 +19,13 @@ from typing import Any
 from k31deploy.errors import K31Error
 from k31deploy.paths import state_dir
 from k31deploy.sandbox import image, podman
-from k31deploy.sandbox.inventory import build_inventory, dump_inventory, known_hosts_text, sandbox_secrets
+from k31deploy.sandbox.inventory import (
+    build_inventory,
+    dump_inventory,
+    known_hosts_text,
+    router_kind,
+    sandbox_secrets,
+)
 from k31deploy.sandbox.shapes import Shape
 
 LABEL = "k31.sandbox"
@@ -279,7 +285,8 @@ def up(shape: Shape, name: str, log: Log) -> Path:
     log(f"sshd answers on every node after {time.monotonic() - t_start:.1f} s")
 
     inventory = directory / "inventory.yml"
-    text = dump_inventory(build_inventory(shape, addresses, key, known_hosts, sandbox_secrets(directory)))
+    secrets = sandbox_secrets(directory, router_kind(shape))
+    text = dump_inventory(build_inventory(shape, addresses, key, known_hosts, secrets))
     fd = os.open(inventory, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)    # it holds the sandbox's secrets
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(text)

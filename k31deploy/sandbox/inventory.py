@@ -29,11 +29,23 @@ def ssh_common_args(known_hosts: Path) -> str:
     return " ".join(f"-o {shlex.quote(f'{key}={value}')}" for key, value in options.items())
 
 
-def sandbox_secrets(directory: Path) -> dict[str, str]:
-    """The sandbox's own cluster CA and router API key, made once and kept (0600) so that redeploying
-    the same sandbox changes nothing. A site keeps these in Ansible Vault (k31 pki init); a throwaway
-    sandbox keeps them beside its inventory, which is 0600 too. The key is also in `router-api-key` for
-    `k31 smoke --api-key-file`."""
+def router_kind(shape: Shape) -> str:
+    """What fronts the shape's engines (sglang, dynamo or none), as its plan says."""
+    from k31deploy.recipe import from_mapping, resolve
+
+    hosts = [from_mapping(h.name, list(h.groups), {"ansible_host": f"192.0.2.{i + 1}",
+                                                    **({"k31_server": h.server} if h.server else {})})
+             for i, h in enumerate(shape.hosts)]
+    return (resolve(dict(shape.knobs), hosts, engine_check=False)["router"] or {}).get("kind", "none")
+
+
+def sandbox_secrets(directory: Path, router: str) -> dict[str, str]:
+    """The sandbox's own cluster CA and, where engines serve HTTP (not behind Dynamo, which checks client
+    certificates instead of a key), the router API key: made once and kept (0600) so that redeploying the same
+    sandbox changes nothing. A site keeps these in Ansible Vault (k31 pki init); a throwaway sandbox keeps them
+    beside its inventory, which is 0600 too. For `k31 smoke`: the key is also in `router-api-key`
+    (--api-key-file); behind Dynamo, `client/` holds the CA and a client certificate of it (--ca-cert,
+    --client-cert, --client-key)."""
     import os
     import secrets as secrets_
 
@@ -43,8 +55,16 @@ def sandbox_secrets(directory: Path) -> dict[str, str]:
     if path.is_file():
         return yaml.safe_load(path.read_text())
     ca = pki.new_ca("k31 sandbox CA")
-    data = {"k31_pki_ca_cert": ca.cert, "k31_pki_ca_key": ca.key, "k31_router_api_key": secrets_.token_urlsafe(24)}
-    for name, text in (("secrets.yml", yaml.safe_dump(data)), ("router-api-key", data["k31_router_api_key"] + "\n")):
+    data = {"k31_pki_ca_cert": ca.cert, "k31_pki_ca_key": ca.key}
+    files = {}
+    if router == "dynamo":
+        client = pki.issue(ca, "k31-sandbox-client", ["k31-sandbox-client"])
+        (directory / "client").mkdir(mode=0o700, exist_ok=True)
+        files.update({"client/ca.crt": ca.cert, "client/client.crt": client.cert, "client/client.key": client.key})
+    else:
+        data["k31_router_api_key"] = secrets_.token_urlsafe(24)
+        files["router-api-key"] = data["k31_router_api_key"] + "\n"
+    for name, text in {**files, "secrets.yml": yaml.safe_dump(data)}.items():    # secrets.yml last: it says done
         fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)

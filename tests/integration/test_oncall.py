@@ -14,6 +14,7 @@ Needs root, podman, runc, debootstrap and the router wheels (built into .k31/whe
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ import pytest
 import yaml
 from recaps import changed
 
-from k31deploy import wheelhouse
+from k31deploy import pki, wheelhouse
 
 pytestmark = pytest.mark.integration
 
@@ -98,9 +99,15 @@ class Cluster:
         data = yaml.safe_load(inventory.read_text())["all"]["children"]
         self.address = {h: v["ansible_host"] for g in data.values() for h, v in (g or {}).get("hosts", {}).items()}
         self.router = f"http://{self.address['router0']}:8000"
+        # The sandbox's credentials: clients send the router key; the worker API takes the control-plane key.
+        secrets = yaml.safe_load((inventory.parent / "secrets.yml").read_text())
+        self.client_headers = {"Authorization": f"Bearer {secrets['k31_router_api_key']}"}
+        self.admin_headers = {"Authorization": "Bearer " + pki.derived_secret(secrets["k31_pki_ca_key"],
+                                                                              "router-control-plane")}
 
     def workers(self):
-        return {w["url"]: w["is_healthy"] for w in httpx.get(f"{self.router}/workers", timeout=10).json()["workers"]}
+        listed = httpx.get(f"{self.router}/workers", headers=self.admin_headers, timeout=10).json()["workers"]
+        return {w["url"]: w["is_healthy"] for w in listed}
 
     def url(self, host, port):
         return f"http://{self.address[host]}:{port}"
@@ -126,8 +133,8 @@ def ask(client, router, i):
 class Load:
     """Steady client load through the router from a thread pool, bounded to `limit` requests."""
 
-    def __init__(self, router, limit=800, workers=4, pause=1.0):
-        self.router, self.limit, self.workers, self.pause = router, limit, workers, pause
+    def __init__(self, router, headers, limit=800, workers=4, pause=1.0):
+        self.router, self.headers, self.limit, self.workers, self.pause = router, headers, limit, workers, pause
         self.stop = threading.Event()
         self.sent = 0
         self.last_start = 0.0  # monotonic time the last request was sent
@@ -135,7 +142,7 @@ class Load:
         self.lock = threading.Lock()
 
     def _worker(self):
-        with httpx.Client(timeout=60) as client:
+        with httpx.Client(timeout=60, headers=self.headers) as client:
             while not self.stop.is_set():
                 with self.lock:
                     if self.sent >= self.limit:
@@ -165,7 +172,7 @@ class Load:
 
 
 def serve_all(cluster, n=30):
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=cluster.client_headers) as client:
         results = [ask(client, cluster.router, i) for i in range(n)]
     return [detail for ok, detail in results if not ok]
 
@@ -183,7 +190,10 @@ def cluster(tmp_path_factory):
     try:
         assert proc.returncode == 0, proc.stderr
         inventory = Path(proc.stdout.strip().splitlines()[-1])
-        proc = playbook(env, inventory, "deploy.yml")
+        # This machine watches the engines' /health directly: it is in the firewall's cluster sources here.
+        nodes = yaml.safe_load(inventory.read_text())["all"]["children"]["k31_router"]["hosts"]
+        subnet = ipaddress.ip_network(f"{next(iter(nodes.values()))['ansible_host']}/24", strict=False)
+        proc = playbook(env, inventory, "deploy.yml", "-e", json.dumps({"k31_firewall_cluster_sources": [str(subnet)]}))
         assert proc.returncode == 0, proc.stdout[-4000:]
         proc = playbook(env, inventory, "playbooks/redeploy.yml", "--tags", "k31_pd_follow")
         assert proc.returncode == 0, proc.stdout[-4000:]
@@ -220,7 +230,7 @@ def test_a_decode_crash_is_followed_by_its_prefill_restarts(cluster):
 def test_b_rolling_redeploy_of_one_decode_under_load_fails_no_request(cluster):
     before = {h: unit(h, f"k31-{h}-r0") for h in ("decode0", "decode1", "prefill0", "prefill1")}
     t0 = time.monotonic()
-    with Load(cluster.router) as load:
+    with Load(cluster.router, cluster.client_headers) as load:
         time.sleep(2)
         sent_before = load.sent
         proc = k31(cluster.env, "redeploy", "decode1", "-i", str(cluster.inventory))
@@ -340,8 +350,9 @@ def test_e_status_logs_and_teardown(cluster, tmp_path):
     assert proc.returncode == 0
     for host in ("prefill0", "prefill1", "decode0", "decode1", "router0"):
         left = [u for u in sh(host, units).split() if u != "k31-ssh-host-keys.service"]  # the sandbox's own
-        assert left == [], (host, left)
-        assert sh(host, "ls /etc/k31 | grep -v '^prometheus$' || true").split() == [], host
+        assert left == ["k31-firewall.service"], (host, left)    # host preparation stays: the host stays closed
+        kept = {"prometheus", "pki", "k31-firewall.nft"}
+        assert set(sh(host, "ls /etc/k31").split()) <= kept, host
     assert "k31-ssh-host-keys.service" in sh("decode0", units)
     proc = playbook(cluster.env, cluster.inventory, "playbooks/teardown.yml", "-e", "k31_teardown_confirm=true")
     assert proc.returncode == 0 and changed(proc.stdout)

@@ -95,3 +95,24 @@ def test_known_hosts_lists_each_address_with_its_own_key():
     assert known_hosts_text(addresses, keys) == ("10.231.7.10 ssh-ed25519 AAAAkeyA\n10.231.7.11 ssh-ed25519 AAAAkeyB\n")
     with pytest.raises(KeyError):
         known_hosts_text({"c": "10.231.7.12"}, keys)
+
+
+@pytest.mark.parametrize("shape, router, files", [
+    ("mi355x-1p1d", "sglang", {"router-api-key", "secrets.yml"}),
+    ("gb300-pd", "dynamo", {"client", "client/ca.crt", "client/client.crt", "client/client.key", "secrets.yml"}),
+])
+def test_sandbox_secrets_are_the_credentials_its_endpoint_takes_made_once_and_private(tmp_path, shape, router,
+                                                                                       files):
+    from k31deploy import pki
+    from k31deploy.sandbox.inventory import router_kind, sandbox_secrets
+
+    assert router_kind(resolve_shape(shape, None)) == router
+    data = sandbox_secrets(tmp_path, router)
+    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")} == files
+    assert all(p.stat().st_mode & 0o077 == 0 for p in tmp_path.rglob("*"))
+    assert pki.matches(data["k31_pki_ca_key"], data["k31_pki_ca_cert"])
+    assert ("k31_router_api_key" in data) == (router != "dynamo")     # Dynamo checks certificates, not a key
+    assert sandbox_secrets(tmp_path, router) == data                    # kept: a redeploy changes nothing
+    if router == "dynamo":
+        assert pki.renewal_reason((tmp_path / "client/client.crt").read_text(), data["k31_pki_ca_cert"],
+                                  ["k31-sandbox-client"]) is None

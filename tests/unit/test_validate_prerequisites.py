@@ -39,13 +39,15 @@ class FakeHostVars(dict):
         return super().__getitem__(host)
 
 
-def cluster(plan, common=None, **per_host):
-    """hostvars for the plan's hosts and localhost: `common` everywhere (group all), then per-host vars."""
+def cluster(plan, common=None, ca=True, **per_host):
+    """hostvars for the plan's hosts and localhost: the cluster CA (`k31 pki init`'s vars file) unless ca=False,
+    `common` everywhere (group all), then per-host vars."""
     names = [r["host"] for s in plan["servers"] for r in s["ranks"]]
     names += [plan["router"]["host"]] if plan.get("router") else []
     out = FakeHostVars()
+    base = {"k31_pki_ca_cert": PEM_CERT, "k31_pki_ca_key": PEM_KEY} if ca else {}
     for name in [*dict.fromkeys(names), "localhost"]:
-        out[name] = {**(common or {}), **per_host.get(name, {})}
+        out[name] = {**base, **(common or {}), **per_host.get(name, {})}
     return out
 
 
@@ -146,13 +148,16 @@ def test_every_exposed_api_is_authenticated_or_the_run_is_refused():
     assert sentence == ("the engines' HTTP API (node0, node1) and the router in front of them are authenticated with "
                         "k31_router_api_key, which is not set; put it in Ansible Vault and pass it for group all "
                         "(-e @secrets.yml)")
+    [sentence] = check(plan, cluster(plan, {"k31_router_api_key": "rk-1234567"}, ca=False), ["secrets"])
+    assert sentence.startswith("the engines' admin API (--admin-api-key) and the router's worker API "
+                               "(--control-plane-api-keys) authenticate with keys derived from the k31 cluster CA, "
+                               "which node0, node1 lack; run `k31 pki init")
     dynamo = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "speculative": "none"})
-    [sentence] = check(dynamo, cluster(dynamo), ["secrets"])
+    [sentence] = check(dynamo, cluster(dynamo, ca=False), ["secrets"])
     assert sentence.startswith("router=dynamo: its control planes (NATS, the request and response planes, the "
                                "frontend) authenticate with certificates of the k31 cluster CA, which node0, node1, "
                                "node2, node3 lack; run `k31 pki init")
-    ca = {"k31_pki_ca_cert": PEM_CERT, "k31_pki_ca_key": PEM_KEY}
-    assert check(dynamo, cluster(dynamo, ca), ["secrets"]) == []
+    assert check(dynamo, cluster(dynamo), ["secrets"]) == []
 
 
 # --- image source -------------------------------------------------------------------------------

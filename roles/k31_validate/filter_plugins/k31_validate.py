@@ -172,20 +172,24 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
 def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dict[str, str],
                          problems: Problems) -> None:
     """Every API the plan exposes is authenticated: engines serving HTTP (and the router in front of them)
-    check k31_router_api_key; Dynamo's control planes check certificates of the k31 cluster CA."""
+    check k31_router_api_key, their admin API and the router's worker API keys derived from the k31 cluster CA;
+    Dynamo's control planes check certificates of that CA."""
     serving = [r["host"] for s in plan["servers"] for r in s["ranks"] if r.get("auth_file")]
     if serving and not keys:
         problems.add(f"the engines' HTTP API ({', '.join(dict.fromkeys(serving))}) and the router in front of them "
                      f"are authenticated with k31_router_api_key, which is not set; put it in Ansible Vault and pass "
                      f"it for group all (-e @secrets.yml)")
-    if plan.get("pki"):
+    if plan.get("pki") or serving:
         missing = [name for name in plan_hosts(plan) if name in hosts
                    and not (hosts[name].has("k31_pki_ca_cert") and hosts[name].has("k31_pki_ca_key"))]
+        what = ("router=dynamo: its control planes (NATS, the request and response planes, the frontend) "
+                "authenticate with certificates of the k31 cluster CA" if plan.get("pki") else
+                "the engines' admin API (--admin-api-key) and the router's worker API (--control-plane-api-keys) "
+                "authenticate with keys derived from the k31 cluster CA")
         if missing:
-            problems.add(f"router=dynamo: its control planes (NATS, the request and response planes, the frontend) "
-                         f"authenticate with certificates of the k31 cluster CA, which {', '.join(missing)} lack; "
-                         f"run `k31 pki init --vars-file <inventory>/group_vars/all/k31_pki.yml "
-                         f"--vault-password-file FILE` and deploy with that vault password")
+            problems.add(f"{what}, which {', '.join(missing)} lack; run `k31 pki init --vars-file "
+                         f"<inventory>/group_vars/all/k31_pki.yml --vault-password-file FILE` and deploy with that "
+                         f"vault password")
     router = plan.get("router") or {}
     if router.get("tls") and router["host"] in hosts:
         lacking = [v for v in ("k31_pki_public_cert", "k31_pki_public_key") if not hosts[router["host"]].has(v)]
