@@ -66,11 +66,20 @@ def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str,
 
 def k31_service_command(argv: list[str], runtime: str, unit: str, image: str | None, venv: str,
                         container_cli: str = "docker", env_file: str | None = None,
-                        mounts: list[str] | None = None) -> list[str]:
+                        mounts: list[str] | None = None, pass_env: list[str] | None = None) -> list[str]:
     """Router, Dynamo frontend or Mooncake master command for the host's runtime (container or venv)."""
     try:
         return launch.service_command(argv, runtime, unit=unit, image=image, venv=venv,
-                                      container_cli=container_cli, env_file=env_file, mounts=mounts)
+                                      container_cli=container_cli, env_file=env_file, mounts=mounts,
+                                      pass_env=list(pass_env or []))
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_env_from_files(mapping: dict[str, str] | None) -> list[str]:
+    """Launch-script lines setting variables to the text of files (the plan's env_from_files)."""
+    try:
+        return launch.env_from_files(mapping)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 
@@ -126,4 +135,4 @@ class FilterModule:
                 "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
                 "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file, "k31_env_line": k31_env_line,
                 "k31_env_comment": k31_env_comment, "k31_service_command": k31_service_command,
-                "k31_url": k31_url, "k31_host_port": k31_host_port}
+                "k31_url": k31_url, "k31_host_port": k31_host_port, "k31_env_from_files": k31_env_from_files}

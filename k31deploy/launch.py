@@ -6,6 +6,8 @@ Used by the roles through the k31 filters, so the wrapping is unit-tested in Pyt
 
 from __future__ import annotations
 
+import re
+import shlex
 from typing import Any
 
 from k31deploy import address as addr
@@ -48,6 +50,22 @@ def _container_flags(flags: list[str], cli: str) -> list[str]:
     return out
 
 
+ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+def env_from_files(mapping: dict[str, str] | None) -> list[str]:
+    """Launch-script lines setting each variable to the text of its file, for programs that take PEM text
+    rather than a path (Dynamo's etcd client): read at start, so the text is in no file k31 renders and in
+    no argv. Assignment and export are two statements, so `set -e` stops the script when a file is missing."""
+    lines = []
+    for name, path in (mapping or {}).items():
+        if not ENV_NAME.match(name) or not path.startswith("/") or any(not c.isprintable() for c in path):
+            raise K31Error(f"env_from_files {name}={path!r} is not valid; valid: an env var name and an "
+                           f"absolute path")
+        lines.append(f'{name}="$(cat {shlex.quote(path)})"; export {name}')
+    return lines
+
+
 def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, env_file: str,
                    container_cli: str = "docker", venv: str = "/opt/k31/venv",
                    mounts: list[str] | None = None, extra_flags: list[str] | None = None) -> list[str]:
@@ -62,9 +80,11 @@ def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, 
         if not plan.get("image") or str(plan["image"]).startswith("<"):
             raise K31Error(f"image is {plan.get('image')}: set k31_image to the serving image before a deploy")
         volumes = [t for m in (mounts or []) for t in ("-v", m)]
+        # Variables the launch script set from files (env_from_files) pass by name: the value stays out of argv.
+        passed = [t for name in rank.get("env_from_files") or {} for t in ("-e", name)]
         return [container_cli, "run", "--rm", "--name", rank["unit"],
                 *_container_flags(plan["container_flags"], container_cli), *(extra_flags or []),
-                "--env-file", env_file, *volumes,
+                "--env-file", env_file, *passed, *volumes,
                 str(plan["image"]), *argv]
     if argv[:2] != ["python3", "-m"]:
         raise K31Error(f"{rank['unit']} runs {argv[0]}, which k31_engine_runtime={runtime} cannot start; "
@@ -142,7 +162,7 @@ def service_command(argv: list[str], runtime: str, *, unit: str, image: str | No
                     container_cli: str = "docker", env_file: str | None = None,
                     secret_flags: dict[str, str] | None = None,
                     secret_exec: str = "/usr/local/lib/k31/k31-secret-exec.py",
-                    mounts: list[str] | None = None) -> list[str]:
+                    mounts: list[str] | None = None, pass_env: list[str] | None = None) -> list[str]:
     """The router, Dynamo frontend or Mooncake master command for the host's runtime: the serving
     image with host networking, or the same program from a venv (a Python module through the venv's
     interpreter, a binary from the venv's bin/).
@@ -152,7 +172,8 @@ def service_command(argv: list[str], runtime: str, *, unit: str, image: str | No
     shows them to every local user: the program starts through `secret_exec` (roles/k31_router/files/
     k31-secret-exec.py), which reads each value from the environment (the unit's 0600 env file) and adds
     the flag in-process. Only a Python module can be started that way; a binary is refused.
-    `mounts` are host folders the program reads (certificates: the plan's `mounts`), read-only in a container.
+    `mounts` are host folders the program reads (certificates: the plan's `mounts`), read-only in a container;
+    `pass_env` variables the launch script set (env_from_files) that a container takes by name.
     """
     if secret_flags:
         if argv[:2] != ["python3", "-m"]:
@@ -172,4 +193,5 @@ def service_command(argv: list[str], runtime: str, *, unit: str, image: str | No
     # The launcher lives on the host; the container sees it read-only at the same path.
     files = [*([secret_exec] if secret_flags else []), *(mounts or [])]
     volumes = [t for path in files for t in ("-v", f"{path}:{path}:ro")]
-    return [container_cli, "run", "--rm", "--name", unit, "--network=host", *env, *volumes, image, *argv]
+    passed = [t for name in pass_env or [] for t in ("-e", name)]
+    return [container_cli, "run", "--rm", "--name", unit, "--network=host", *env, *passed, *volumes, image, *argv]

@@ -24,6 +24,7 @@ from k31deploy.launch import endpoint_address, endpoint_scheme, http_url
 from k31deploy.smoke import (
     API_KEY_ENV,
     DEFAULT_TIMEOUT,
+    MAX_TOKENS,
     ClientTLS,
     add_tls_args,
     read_api_key,
@@ -42,6 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="inventory host to tunnel through (SSH) when this machine cannot reach the router")
     p.add_argument("--api-key-file", help=f"file holding the router API key (default: env {API_KEY_ENV})")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request")
+    p.add_argument("--skip", action="append", metavar="CHECK",
+                   help="a check the endpoint cannot pass by design, reported as skipped (repeatable; default: the "
+                        "inventory's k31_smoke_skip, as the deploy's smoke check uses)")
+    p.add_argument("--max-tokens", type=int,
+                   help="max_tokens per request (default: the inventory's k31_smoke_max_tokens, else 2048)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_tls_args(p)
     p.set_defaults(func=cmd_smoke)
@@ -62,14 +68,17 @@ def cmd_smoke(args: argparse.Namespace) -> int:
                        f"--client-cert and --client-key (`k31 pki client-cert` writes them) and --ca-cert: {ca}")
     target = http_url(address, port, scheme)
     validate(target, plan["model"], args.timeout)  # before a tunnel is opened for nothing
+    settings = smoke_settings(args.inventory)
+    options = {"skip": tuple(args.skip if args.skip is not None else settings.get("k31_smoke_skip") or ()),
+               "max_tokens": int(args.max_tokens or settings.get("k31_smoke_max_tokens") or MAX_TOKENS)}
     if args.via:
         via = via_host(args.inventory, args.via)
         with tunnel(via, address, port) as local_port:    # the frontend's certificate names 127.0.0.1 too
             results = run_smoke(http_url("127.0.0.1", local_port, scheme), plan["model"], key, args.timeout,
-                                tls=tls)
+                                tls=tls, **options)
         target += f" via {via.name}"
     else:
-        results = run_smoke(target, plan["model"], key, args.timeout, tls=tls)
+        results = run_smoke(target, plan["model"], key, args.timeout, tls=tls, **options)
     print(report(results, target, plan["model"], args.json))
     if not args.via and results and all(r.detail.startswith("Connection error") for r in results):
         print(f"hint: this machine cannot reach {host_port(address, port)}; --via HOST tunnels through an inventory "
@@ -105,6 +114,21 @@ def known_hosts_files(common_args: str) -> tuple[Path, ...] | None:
         if match and match[1].lower() == "userknownhostsfile":
             return tuple(Path(p).expanduser() for p in match[2].split())
     return None
+
+
+def smoke_settings(inventory: str) -> dict[str, Any]:
+    """The smoke role's settings the inventory gives for all hosts (k31_smoke_skip, k31_smoke_max_tokens)."""
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.vars.manager import VariableManager
+
+    loader = DataLoader()
+    inv = InventoryManager(loader=loader, sources=[inventory])
+    hosts = inv.list_hosts("all")
+    if not hosts:
+        return {}
+    found = VariableManager(loader=loader, inventory=inv).get_vars(host=hosts[0], include_hostvars=False)
+    return {k: found[k] for k in ("k31_smoke_skip", "k31_smoke_max_tokens") if k in found}
 
 
 def via_host(inventory: str, name: str) -> ViaHost:

@@ -38,7 +38,7 @@ class EngineArgv:
                 self.r.engine_check(s.name, argv[len(self.launcher()):])
             ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
                           "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port, host.address),
-                          "auth_file": self.auth_file(s, rank)})
+                          "env_from_files": self.dynamo_env_from_files(), "auth_file": self.auth_file(s, rank)})
         return {
             "name": s.name,
             "role": s.role,
@@ -221,13 +221,20 @@ class EngineArgv:
             env["DYN_TCP_RPC_PORT"] = cat["ports"]["dynamo_request"]
         return {key: str(value) for key, value in env.items()}
 
+    def dynamo_env_from_files(self) -> dict[str, str]:
+        """Env vars a Dynamo process takes as the text of a file (etcd's client: PEM, not a path)."""
+        if self.r.router != "dynamo":
+            return {}
+        pki = self.cat["pki"]
+        return {key: pki[part] for key, part in self.cat["dynamo"]["etcd_tls_env_from_files"].items()}
+
     def dynamo_discovery_env(self, address: str) -> dict[str, str]:
-        """How a Dynamo process on `address` reaches etcd (a password, in its env file) and NATS (TLS),
-        and where its request/response-plane and event-plane listeners bind: mutual TLS with the host's
-        cluster certificate."""
+        """How a Dynamo process on `address` reaches etcd and NATS (TLS with the host's cluster certificate;
+        etcd's PEM from dynamo_env_from_files), and where its request/response-plane and event-plane
+        listeners bind: mutual TLS with that certificate."""
         host = self.r.router_host.address
         ports, pki, dyn = self.cat["ports"], self.cat["pki"], self.cat["dynamo"]
-        env = {"ETCD_ENDPOINTS": url("http", host, ports["etcd"]), "ETCD_AUTH_USERNAME": dyn["etcd_user"],
+        env = {"ETCD_ENDPOINTS": url("https", host, ports["etcd"]),
                "NATS_SERVER": url("tls", host, ports["nats"]),
                "DYN_TCP_RPC_HOST": address, "DYN_TCP_RESPONSE_STREAM_HOST": address, "DYN_EVENT_PLANE_HOST": address}
         env.update({key: pki[part] for key, part in dyn["client_tls_env"].items()})
@@ -268,8 +275,8 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
                 "public_address": host.public_address, "port": cat["ports"]["router"], "tls": tls,
                 "mounts": [cat["pki"]["dir"], *([tls["dir"]] if tls else [])],
                 "unit": "k31-dynamo-frontend", "argv": argv, "env": env,
-                "discovery": {"etcd_port": cat["ports"]["etcd"], "nats_port": cat["ports"]["nats"],
-                              "etcd_user": dyn["etcd_user"]}}
+                "env_from_files": EngineArgv(r).dynamo_env_from_files(),
+                "discovery": {"etcd_port": cat["ports"]["etcd"], "nats_port": cat["ports"]["nats"]}}
     dialect = cfg["dialects"][r.dialect]
     argv = list(dialect["launcher"])
 

@@ -180,8 +180,7 @@ def template_context(plan: dict, env: dict[str, str], runtime: str = "container"
         "k31_engine_extra_env": {}, "k31_engine_hf_token": "", "k31_engine_runtime": runtime,
         "k31_engine_etc_dir": "/etc/k31", "k31_engine_standin_load_seconds": 1, "k31_engine_standin_model_dir": "/m",
         "k31_dynamo_plan": {"env": env}, "k31_dynamo_runtime": runtime, "k31_dynamo_state_dir": "/var/lib/k31/dynamo",
-        "k31_dynamo_nats_token": "t" * 64, "k31_dynamo_etcd_password": "p" * 64,
-        "k31_engine_nats_token": "t" * 64, "k31_engine_etcd_password": "p" * 64,
+        "k31_dynamo_nats_token": "t" * 64, "k31_engine_nats_token": "t" * 64,
         "k31_router_plan": {"env": env}, "k31_router_runtime": runtime, "k31_router_api_key": "",
         "k31_router_control_plane_key": "",
         "k31_mnnvl_env": env, "k31_mnnvl_addresses": ["10.0.0.1", "10.0.0.2"], "inventory_hostname": "t0",
@@ -268,6 +267,7 @@ def test_dynamo_workers_env_files_carry_their_control_plane_secrets_and_others_n
                       "max_running_requests": 8})
     rank_env = dynamo["servers"][0]["ranks"][0]["env"]
     read = systemd_read(render(engine, **template_context(dynamo, rank_env)))
-    assert read["NATS_AUTH_TOKEN"] == "t" * 64 and read["ETCD_AUTH_PASSWORD"] == "p" * 64
+    assert read["NATS_AUTH_TOKEN"] == "t" * 64
+    assert not [key for key in read if key.startswith("ETCD_AUTH")]    # etcd's PEM: read by the launch script
     sglang = systemd_read(render(engine, **template_context(PLAN, PLAN["servers"][0]["ranks"][0]["env"])))
-    assert not {"NATS_AUTH_TOKEN", "ETCD_AUTH_PASSWORD"} & set(sglang)
+    assert "NATS_AUTH_TOKEN" not in sglang

@@ -72,7 +72,7 @@ def test_dist_init_addr_is_bracketed_as_sglang_parses_it():
 
 def test_dynamo_discovery_env_is_bracketed():
     p = gb300_dynamo_plan()
-    expected = {"ETCD_ENDPOINTS": "http://[fd00::99]:2379", "NATS_SERVER": "tls://[fd00::99]:4222"}
+    expected = {"ETCD_ENDPOINTS": "https://[fd00::99]:2379", "NATS_SERVER": "tls://[fd00::99]:4222"}
     assert expected.items() <= p["router"]["env"].items()
     assert expected.items() <= env(p, "decode").items()
 

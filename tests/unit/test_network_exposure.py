@@ -45,7 +45,12 @@ def test_dynamo_processes_authenticate_every_control_plane():
     assert plan["router"]["kind"] == "dynamo" and plan["pki"]["cert"] == "/etc/k31/pki/host.crt"
     worker = plan["servers"][0]["ranks"][0]["env"]
     assert worker["NATS_SERVER"] == "tls://10.8.0.9:4222" and worker["NATS_TLS_CLIENT_CERT_PATH"] == plan["pki"]["cert"]
-    assert worker["ETCD_ENDPOINTS"] == "http://10.8.0.9:2379" and worker["ETCD_AUTH_USERNAME"] == "k31"
+    assert worker["ETCD_ENDPOINTS"] == "https://10.8.0.9:2379" and "ETCD_AUTH_USERNAME" not in worker
+    # etcd: mutual TLS; its client takes PEM text, which the launch script reads from the certificate files
+    for process in (plan["servers"][0]["ranks"][0], plan["router"]):
+        assert process["env_from_files"] == {"ETCD_AUTH_CA": plan["pki"]["ca"],
+                                             "ETCD_AUTH_CLIENT_CERT": plan["pki"]["cert"],
+                                             "ETCD_AUTH_CLIENT_KEY": plan["pki"]["key"]}
     assert (worker["DYN_TCP_RPC_HOST"], worker["DYN_TCP_RPC_PORT"]) == ("10.8.0.1", "29100")
     assert worker["DYN_TCP_TLS_CLIENT_CA_CERT_PATH"] == plan["pki"]["ca"]       # the request plane wants certs
     assert worker["DYN_SYSTEM_HOST"] == "10.8.0.1"
@@ -54,7 +59,7 @@ def test_dynamo_processes_authenticate_every_control_plane():
     assert frontend["DYN_TCP_RESPONSE_STREAM_PORT"] == "29101"
     assert flag(plan["router"]["argv"], "--http-host") == "192.0.2.9"
     for env in (worker, frontend):    # secrets never in the plan: they go to 0600 env files
-        assert not {"NATS_AUTH_TOKEN", "ETCD_AUTH_PASSWORD"} & set(env)
+        assert not {"NATS_AUTH_TOKEN", "ETCD_AUTH_PASSWORD", "ETCD_AUTH_CLIENT_KEY"} & set(env)
 
 
 def test_sglang_router_plans_need_no_cluster_ca():
@@ -67,7 +72,8 @@ def test_certificates_name_what_each_host_is_reached_by_and_secrets_derive_per_p
     assert pki.host_names(plan, "p0") == ["10.8.0.1", "p0", "127.0.0.1", "::1"]
     key = pki.new_ca().key
     assert pki.derived_secret(key, "nats-token") == pki.derived_secret(key, "nats-token")
-    assert len({pki.derived_secret(key, p) for p in ("nats-token", "etcd-password", "etcd-root-password")}) == 3
+    purposes = ("nats-token", "engine-admin-api-key", "router-control-plane")
+    assert len({pki.derived_secret(key, p) for p in purposes}) == 3
     assert pki.derived_secret(pki.new_ca().key, "nats-token") != pki.derived_secret(key, "nats-token")
 
 
@@ -113,3 +119,17 @@ def test_a_service_container_mounts_the_folders_of_its_certificates_read_only():
                                   image="img", venv="/v", mounts=["/etc/k31/pki", "/etc/k31/tls"])
     assert argv[argv.index("img") - 4:argv.index("img")] == ["-v", "/etc/k31/pki:/etc/k31/pki:ro",
                                                              "-v", "/etc/k31/tls:/etc/k31/tls:ro"]
+
+
+def test_launch_scripts_read_pem_env_from_files_and_containers_take_it_by_name():
+    lines = launch.env_from_files({"ETCD_AUTH_CA": "/etc/k31/pki/ca.crt"})
+    assert lines == ['ETCD_AUTH_CA="$(cat /etc/k31/pki/ca.crt)"; export ETCD_AUTH_CA']
+    with pytest.raises(K31Error, match="env_from_files"):
+        launch.env_from_files({"ETCD_AUTH_CA; rm -rf /": "/x"})
+    plan = resolve({"platform": "b300", "topology": "pd", "prefill_strategy": "low-latency",
+                    "max_running_requests": 8, "image": "reg/k31:cuda"}, hosts())
+    rank = plan["servers"][0]["ranks"][0]
+    argv = launch.engine_command(plan, rank, "container", env_file="/etc/k31/x.env")
+    assert argv[argv.index("--env-file") + 2:argv.index("--env-file") + 8] == [
+        "-e", "ETCD_AUTH_CA", "-e", "ETCD_AUTH_CLIENT_CERT", "-e", "ETCD_AUTH_CLIENT_KEY"]
+    assert not any("BEGIN" in token for token in argv)

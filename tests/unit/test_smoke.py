@@ -256,7 +256,7 @@ def k31(argv: list[str]) -> int:
 def test_endpoint_is_the_router_else_the_first_unified_server_rank_0(tmp_path, monkeypatch, capsys):
     seen = []
 
-    def fake_run(base_url, model, api_key=None, timeout=0, tls=None):
+    def fake_run(base_url, model, api_key=None, timeout=0, tls=None, skip=(), max_tokens=0):
         seen.append((base_url, model, api_key, timeout))
         return []
 
@@ -524,3 +524,17 @@ def test_k31_smoke_asks_dynamo_for_a_client_certificate_and_public_tls_for_https
                                                                "[all:vars]\nk31_public_tls=true"))
     assert k31(["smoke", "-i", str(public)]) == 0     # the site's certificate: this machine's trust store
     assert seen == [("https://10.31.0.9:8000/v1", None)]
+
+
+def test_k31_smoke_takes_the_checks_to_skip_from_the_inventory_unless_told(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(smoke_cmd, "run_smoke", lambda *a, skip=(), max_tokens=0, **kw: seen.append(
+        (skip, max_tokens)) or [])
+    inventory = tmp_path / "unified.ini"
+    inventory.write_text(UNIFIED_INVENTORY + "k31_smoke_skip=['reasoning', 'tool_call']\nk31_smoke_max_tokens=64\n")
+    assert k31(["smoke", "-i", str(inventory)]) == 0
+    assert k31(["smoke", "-i", str(inventory), "--skip", "tool_call", "--max-tokens", "8"]) == 0
+    plain = tmp_path / "plain.ini"
+    plain.write_text(UNIFIED_INVENTORY)
+    assert k31(["smoke", "-i", str(plain)]) == 0
+    assert seen == [(("reasoning", "tool_call"), 64), (("tool_call",), 8), ((), 2048)]
