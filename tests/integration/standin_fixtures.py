@@ -27,11 +27,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def standin_command(engine_argv: list[str]) -> list[str]:
-    """Run an engine command line (as `k31 plan` writes it) on the stand-in instead of SGLang."""
+def standin_command(engine_argv: list[str], keys: Path | None = None) -> list[str]:
+    """Run an engine command line (as `k31 plan` writes it) on the stand-in instead of SGLang. The planned key
+    file (`--config /etc/k31/<unit>.auth.yaml`) is the hosts'; here the engine takes `keys` (a file of the
+    same form) or runs without keys."""
     if engine_argv[: len(SGLANG_LAUNCHER)] == SGLANG_LAUNCHER:
         engine_argv = engine_argv[len(SGLANG_LAUNCHER):]
-    return [sys.executable, "-m", "k31deploy.standin", *engine_argv]
+    if "--config" in engine_argv:
+        i = engine_argv.index("--config")
+        engine_argv = engine_argv[:i] + engine_argv[i + 2:]
+    return [sys.executable, "-m", "k31deploy.standin", *engine_argv, *(["--config", str(keys)] if keys else [])]
 
 
 def router_command(router_args: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from recaps import recap
+from site_secrets import write_site_vars
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +34,7 @@ def inventory(tmp_path: Path, extra: dict, knobs: dict = MI355X) -> Path:
         "k31_router": {"hosts": {"r0": {"ansible_host": "192.0.2.3"}}}}, "vars": common}}
     path = tmp_path / "hosts.yml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    write_site_vars(tmp_path, router_key=False)    # the site's cluster CA; each test gives the key it tests
     return path
 
 

@@ -41,13 +41,17 @@ def procs(tmp_path):
     processes.stop_all()
 
 
-def test_a_keyed_router_checks_the_key_that_no_command_line_shows(procs):
+def test_a_keyed_router_checks_the_key_that_no_command_line_shows(procs, tmp_path):
     plan = resolve({"platform": "mi355x", "agents": 16, "model_path": "/models/kimi"})
     engine = list(next(s for s in plan["servers"] if s["role"] == "unified")["ranks"][0]["argv"])
     engine_port = free_port()
     engine[engine.index("--host") + 1] = "127.0.0.1"
     engine[engine.index("--port") + 1] = str(engine_port)
-    procs.start("engine", standin_command(engine))
+    # The engine checks the same key (sglang-router sends its --api-key to its workers), from a 0600 file.
+    keys = tmp_path / "engine.auth.yaml"
+    keys.write_text(f'api-key: "{KEY}"\nadmin-api-key: "admin-{KEY}"\n')
+    keys.chmod(0o600)
+    procs.start("engine", standin_command(engine, keys))
     port = free_port()
     planned = ["python3", "-m", "sglang_router.launch_router", "--worker-urls", f"http://127.0.0.1:{engine_port}",
                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from recaps import recap
+from site_secrets import write_site_vars
 
 from k31deploy.runner import PlainView, RunRequest, run
 
@@ -48,6 +49,7 @@ def work(tmp_path, monkeypatch):
     path = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
     env = {**os.environ, "K31_STATE_DIR": str(state), "PYTHONPATH": path, "ANSIBLE_NOCOLOR": "1"}
     (tmp_path / "hosts.ini").write_text(single_node_inventory())
+    write_site_vars(tmp_path)    # the unified engine serves clients: its keys and the cluster CA
     return tmp_path, state, env
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cmdline_watch import CmdlineWatch
+from site_secrets import write_site_vars
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +47,7 @@ def test_a_vaulted_hf_token_reaches_the_hub_cli_and_no_command_line_or_run_recor
                               TOKEN, "--name", "k31_engine_hf_token"], cwd=tmp_path, env=env, capture_output=True,
                              text=True, check=True).stdout
     (tmp_path / "secrets.yml").write_text("---\n" + vaulted)
+    write_site_vars(tmp_path)
     # The hub step reads the token through k31_model_hf_token's default, k31_engine_hf_token.
     (tmp_path / "hosts.ini").write_text(
         "[k31_unified]\n"

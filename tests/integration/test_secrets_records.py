@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from site_secrets import write_site_vars
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +73,7 @@ def test_the_next_run_scrubs_the_record_of_a_killed_driver(tmp_path):
         f"[k31_unified]\nlocalhost ansible_connection=local ansible_python_interpreter={sys.executable}\n\n"
         "[all:vars]\nk31_platform=mi355x\nk31_agents=32\nk31_model_path=/models/Kimi-K3.1-Pro\n"
         "k31_image=rocm/sglang:kimi-k31\n")
+    write_site_vars(tmp_path)
     later = subprocess.run([sys.executable, "-m", "k31deploy.cli", "deploy", "-i", "hosts.ini", "--tags", "always"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert later.returncode == 0, later.stdout[-3000:] + later.stderr[-2000:]
