@@ -129,10 +129,51 @@ def k31_flag_value(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
 
 
+def _plain(value: Any) -> Any:
+    """Ansible's values as plain Python (its tagged str/int subclasses are not YAML-representable)."""
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    for kind in (bool, int, float, str):
+        if isinstance(value, kind):
+            return kind(value)
+    return value
+
+
+def k31_monitoring_files(plan: dict[str, Any], host: str, settings: dict[str, Any] | None = None,
+                         rule_settings: dict[str, Any] | None = None,
+                         grafana_provisioning: bool = False) -> dict[str, str]:
+    """Every file k31_monitoring writes on `host` (path -> content), from the plan."""
+    from k31deploy.monitoring import config
+
+    try:
+        return config.files(_plain(plan), str(host), config.Settings(**_plain(settings or {})),
+                            _plain(rule_settings or {}), bool(grafana_provisioning))
+    except (K31Error, TypeError, ValueError) as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_monitoring_args(plan: dict[str, Any], host: str, settings: dict[str, Any] | None = None) -> dict[str, str]:
+    """The Debian monitoring units `host` runs -> their ARGS (/etc/default/<unit>)."""
+    from k31deploy.monitoring import config
+
+    return config.service_args(plan, host, config.Settings(**(settings or {})))
+
+
+def k31_monitoring_ready_urls(plan: dict[str, Any], host: str) -> list[str]:
+    """The monitoring URLs the role waits for on `host` (node exporter; Prometheus and Alertmanager)."""
+    from k31deploy.monitoring import config
+
+    return config.ready_urls(plan, host)
+
+
 class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
                 "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
                 "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file, "k31_env_line": k31_env_line,
                 "k31_env_comment": k31_env_comment, "k31_service_command": k31_service_command,
-                "k31_url": k31_url, "k31_host_port": k31_host_port, "k31_env_from_files": k31_env_from_files}
+                "k31_url": k31_url, "k31_host_port": k31_host_port, "k31_env_from_files": k31_env_from_files,
+                "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
+                "k31_monitoring_ready_urls": k31_monitoring_ready_urls}

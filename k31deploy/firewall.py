@@ -68,6 +68,7 @@ def plan_addresses(plan: dict[str, Any]) -> list[str]:
     for other in (plan.get("router"), plan.get("mooncake_master")):
         if other:
             found.append(other["address"])
+    found += [n["address"] for n in (plan.get("monitoring") or {}).get("nodes", [])]
     return list(dict.fromkeys(found))
 
 

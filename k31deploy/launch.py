@@ -108,7 +108,7 @@ def rank_mounts(plan: dict[str, Any], rank: dict[str, Any]) -> list[str]:
     """Files a rank's container reads from its host, read-only at the same path: its key file (--config)
     and, behind Dynamo, the cluster CA's folder (its TLS certificate and key)."""
     found = [rank["auth_file"]] if rank.get("auth_file") else []
-    if plan.get("pki"):
+    if plan.get("pki") and (plan.get("router") or {}).get("kind") == "dynamo":
         found.append(plan["pki"]["dir"])
     return [f"{p}:{p}:ro" for p in found]
 

@@ -1,5 +1,5 @@
-"""`k31 status -i INV [--json]` and `k31 logs -i INV [SERVER]`: what runs where, read over SSH in one
-parallel Ansible ad-hoc run (k31deploy.oncall.gather)."""
+"""`k31 status -i INV [--json]`, `k31 alerts -i INV [--json]` and `k31 logs -i INV [SERVER]`: what runs where
+and what fires, read over SSH in one parallel Ansible ad-hoc run (k31deploy.oncall.gather)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="do not become root on the hosts (journal and container reads may then fail)")
     p.set_defaults(func=cmd_status, command="status")
 
+    p = sub.add_parser("alerts", help="the alerts Alertmanager holds: firing, silenced or inhibited",
+                       description="Alertmanager's alerts (monitoring=prometheus), read on the monitoring host with "
+                                   "its cluster certificate: name, severity, server, state, since, summary. Exit 0 "
+                                   "when none fires, 1 when one does.")
+    add_plan_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output (with each alert's runbook)")
+    p.add_argument("--no-become", dest="become", action="store_false", help="do not become root on the host")
+    p.set_defaults(func=cmd_alerts, command="alerts")
+
     p = sub.add_parser("logs", help="recent journal lines of each rank, fetched into a local folder",
                        description="Fetch the last journal lines of every k31 unit (or one server's ranks, or "
                                    "'router') into DEST, one file per unit; prints DEST.")
@@ -53,6 +62,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     doc = gather.status(plan_from_args(args), inventories, become=args.become)
     print(json.dumps(doc, indent=2) if args.json else gather.render(doc))
     return 1 if doc["problems"] else 0
+
+
+def cmd_alerts(args: argparse.Namespace) -> int:
+    inventories = _inventories(args)
+    doc = gather.alerts(plan_from_args(args), inventories, become=args.become)
+    print(json.dumps(doc, indent=2) if args.json else gather.render_alerts(doc))
+    return 1 if any(a["state"] == "active" for a in doc["alerts"]) else 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

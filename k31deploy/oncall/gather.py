@@ -25,7 +25,18 @@ def plan_hosts(plan: dict[str, Any]) -> list[str]:
     hosts = [r["host"] for s in plan["servers"] for r in s["ranks"]]
     if plan.get("router"):
         hosts.append(plan["router"]["host"])
+    if plan.get("monitoring"):
+        hosts.append(plan["monitoring"]["host"])
     return list(dict.fromkeys(hosts))
+
+
+def alerts_spec(plan: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the probe on the monitoring host reads Alertmanager's alerts (with that host's certificate)."""
+    if not plan.get("monitoring"):
+        return None
+    from k31deploy.monitoring.config import api_url
+
+    return {"url": f"{api_url(plan, 'alertmanager')}/api/v2/alerts", "auth": dict(plan["pki"])}
 
 
 def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -47,6 +58,9 @@ def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if router.get("tls"):    # the site's certificate, for the name clients use
             urls["auth"]["own_tls"] = True
         specs[router["host"]]["units"][router["unit"]] = urls
+    where = alerts_spec(plan)
+    if where:
+        specs[plan["monitoring"]["host"]]["alerts"] = where
     return specs
 
 
@@ -147,6 +161,15 @@ def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> di
         if doc["in_router"] is False:
             problems.append(f"{server['name']}: not in the router's healthy workers")
         servers.append(doc)
+    alert_list, alert_error = _alerts(plan, answers)
+    if alert_error:
+        problems.append(f"alerts unknown: {alert_error}")
+    for a in alert_list:
+        if a["state"] == "active":
+            problems.append(f"alert {a['alert']} ({a['severity']}) firing"
+                            + (f" for {a['server']}" if a["server"] else "") + f": {a['summary']}")
+    for doc in servers:
+        doc["alerts"] = [a["alert"] for a in alert_list if a["server"] == doc["name"] and a["state"] == "active"]
     planned = {r["unit"] for s in plan["servers"] for r in s["ranks"]} | ({router["unit"]} if router else set())
     processes = []
     for host, answer in sorted(answers.items(), key=lambda item: plan_hosts(plan).index(item[0])):
@@ -164,10 +187,21 @@ def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> di
                 processes.append(row)
     return {"model": plan["model"], "topology": plan["topology"],
             "generated": datetime.now().isoformat(timespec="seconds"),
-            "servers": servers, "router": router_doc, "processes": processes,
+            "servers": servers, "router": router_doc, "processes": processes, "alerts": alert_list,
             "hosts": {h: ("ok" if "units" in a else "unreachable" if "unreachable" in a else "probe failed")
                       for h, a in answers.items()},
             "problems": problems}
+
+
+def _alerts(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+    """Alertmanager's alerts as the monitoring host's probe read them; (alerts, why unknown)."""
+    if not plan.get("monitoring"):
+        return [], None
+    answer = answers.get(plan["monitoring"]["host"], {})
+    if "units" not in answer and "alerts" not in answer:
+        return [], None    # the host itself is reported unreachable
+    found = answer.get("alerts") or {"error": "the probe read no alerts"}
+    return (found.get("list") or []), found.get("error")
 
 
 def duration(seconds: float | None) -> str:
@@ -191,28 +225,29 @@ def _image(row: dict[str, Any]) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     header = ("SERVER", "ROLE", "RANK", "HOST", "UNIT", "STATE", "HEALTH", "ROUTER", "IMAGE/RUNTIME", "UPTIME",
-              "RESTARTS", "STARTED")
+              "RESTARTS", "STARTED", "ALERTS")
     rows: list[tuple[str, ...]] = [header]
     for s in doc["servers"]:
         for r in s["ranks"]:
             in_router = {True: "in", False: "OUT", None: "-"}[s["in_router"]] if r["node_rank"] == 0 else ""
+            firing = ",".join(s.get("alerts") or []) if r["node_rank"] == 0 else ""
             if not r["reachable"]:
                 rows.append((s["name"], s["role"], str(r["node_rank"]), r["host"], r["unit"], "UNREACHABLE", "-",
-                             in_router, "-", "-", "-", "-"))
+                             in_router, "-", "-", "-", "-", firing))
                 continue
             rows.append((s["name"], s["role"], str(r["node_rank"]), r["host"], r["unit"],
                          f"{r.get('active')}/{r.get('sub', '-')}", str(r.get("health", "-")), in_router, _image(r),
-                         duration(r.get("uptime_s")), str(r.get("restarts", "-")), r.get("started") or "-"))
+                         duration(r.get("uptime_s")), str(r.get("restarts", "-")), r.get("started") or "-", firing))
     router = doc["router"]
     if router:
         state = f"{router.get('active')}/{router.get('sub', '-')}" if "sub" in router else str(router.get("active"))
         check = str(router.get("readiness", len(router.get("models") or []) if router["kind"] == "dynamo" else "-"))
         rows.append((f"router ({router['kind']})", "router", "-", router["host"], router.get("unit") or "-",
                      state, check, "", _image(router), duration(router.get("uptime_s")),
-                     str(router.get("restarts", "-")), router.get("started") or "-"))
+                     str(router.get("restarts", "-")), router.get("started") or "-", ""))
     for p in doc["processes"]:
         rows.append(("-", "process", "-", p["host"], p["unit"], f"{p.get('active')}/{p.get('sub', '-')}", "-", "",
-                     _image(p), duration(p.get("uptime_s")), str(p.get("restarts", "-")), p.get("started") or "-"))
+                     _image(p), duration(p.get("uptime_s")), str(p.get("restarts", "-")), p.get("started") or "-", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     if router and isinstance(router.get("workers"), list):
@@ -220,8 +255,42 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"router workers: {len(workers)} ("
                      + ", ".join(f"{w['url']} {w.get('type')}{'' if w.get('healthy') else ' UNHEALTHY'}"
                                  for w in workers) + ")")
+    held = [a for a in doc.get("alerts", []) if a["state"] != "active"]
+    if held:
+        lines.append("alerts held back: " + ", ".join(
+            f"{a['alert']}{' ' + a['server'] if a['server'] else ''} "
+            f"({'silenced' if a['silenced_by'] else 'inhibited'})" for a in held))
     lines += [f"problem: {p}" for p in doc["problems"]] or ["no problems found"]
     return "\n".join(lines)
+
+
+def alerts(plan: dict[str, Any], inventory: list[str], become: bool = True,
+           runner: Runner = ansible_probe) -> dict[str, Any]:
+    """`k31 alerts`: Alertmanager's alerts, read on the monitoring host."""
+    where = alerts_spec(plan)
+    if where is None:
+        raise K31Error("monitoring=none: this plan deploys no Alertmanager to read alerts from; deploy with "
+                       "monitoring=prometheus, or ask the site's own Alertmanager")
+    host = plan["monitoring"]["host"]
+    spec = {"mode": "alerts", "common": {}, "hosts": {host: {"alerts": where}}}
+    answer = runner(inventory, probe_source(spec), [host], become).get(host, {})
+    if "alerts" not in answer:
+        raise K31Error(f"monitoring host {host}: {answer.get('unreachable') or answer.get('failed') or 'no answer'}")
+    found = answer["alerts"]
+    if found.get("error"):
+        raise K31Error(f"Alertmanager on {host}: {found['error']}")
+    return {"host": host, "alerts": found.get("list") or []}
+
+
+def render_alerts(doc: dict[str, Any]) -> str:
+    header = ("ALERT", "SEVERITY", "SERVER", "STATE", "SINCE", "SUMMARY")
+    rows = [header] + [(a["alert"] or "-", a["severity"] or "-", a["server"] or "-",
+                        "firing" if a["state"] == "active" else "silenced" if a["silenced_by"] else "inhibited",
+                        (a["since"] or "-")[:19], a["summary"] or "") for a in doc["alerts"]]
+    if len(rows) == 1:
+        return f"no alerts (Alertmanager on {doc['host']})"
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def status(plan: dict[str, Any], inventory: list[str], become: bool = True,

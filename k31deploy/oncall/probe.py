@@ -150,12 +150,32 @@ def status(spec):
                 info["models"] = [m.get("id") for m in answer["json"].get("data", [])]
         units[unit] = info
     out = {"units": units}
+    if spec.get("alerts"):
+        out["alerts"] = alerts(spec)
     try:
         with open(FOLLOW_STATE) as fh:
             out["pd_follow"] = json.load(fh)
     except (OSError, ValueError):
         pass
     return out
+
+
+def alerts(spec):
+    """Alertmanager's alerts (its API v2, over mutual TLS with the host's certificate): firing ones and those a
+    silence or an inhibition holds back, each with what on-call needs."""
+    where = spec["alerts"]
+    answer = http(where["url"], timeout=5.0, auth=where.get("auth"))
+    if answer["status"] != 200 or not isinstance(answer.get("json"), list):
+        return {"error": answer.get("error") or "Alertmanager answered " + str(answer["status"])}
+    found = []
+    for item in answer["json"]:
+        labels, notes, state = item.get("labels") or {}, item.get("annotations") or {}, item.get("status") or {}
+        found.append({"alert": labels.get("alertname"), "severity": labels.get("severity"),
+                      "server": labels.get("k31_server"), "role": labels.get("k31_role"),
+                      "state": state.get("state"), "silenced_by": state.get("silencedBy") or [],
+                      "inhibited_by": state.get("inhibitedBy") or [], "since": item.get("startsAt"),
+                      "summary": notes.get("summary"), "runbook": notes.get("runbook")})
+    return {"list": sorted(found, key=lambda a: (a["state"] != "active", a["alert"] or "", a["server"] or ""))}
 
 
 def logs(spec):
@@ -168,9 +188,10 @@ def logs(spec):
 
 
 def main(spec, host):
-    """spec: {"mode": "status"|"logs", "common": {...}, "hosts": {name: {...}}}."""
+    """spec: {"mode": "status"|"logs"|"alerts", "common": {...}, "hosts": {name: {...}}}."""
     mine = dict(spec.get("common", {}), **spec["hosts"].get(host, {}))
-    print(json.dumps(logs(mine) if spec.get("mode") == "logs" else status(mine)))
+    mode = spec.get("mode")
+    print(json.dumps(logs(mine) if mode == "logs" else {"alerts": alerts(mine)} if mode == "alerts" else status(mine)))
     return 0
 
 

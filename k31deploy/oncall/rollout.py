@@ -7,6 +7,7 @@ prefill with any decode, so in this PD topology "paired" means every prefill ser
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from k31deploy.address import http_url, url
@@ -133,8 +134,24 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
         "router": {"kind": router["kind"], "host": router["host"], "port": router["port"],
                    "url": router_url(router)} if router else None,
         "drain": drain,
+        "silence": silence(plan, [st["name"] for st in steps]),
         "notes": notes,
     }
+
+
+def silence(plan: dict[str, Any], servers: list[str]) -> dict[str, Any] | None:
+    """The Alertmanager silence a redeploy holds over the servers it restarts (planned restarts page nobody;
+    `k31 status` lists what it holds back): created when the rollout starts, expired when it finishes, and
+    ending by itself if the run is lost. None without monitoring."""
+    mon = plan.get("monitoring")
+    if not mon or not servers:
+        return None
+    from k31deploy.monitoring.config import api_url
+
+    pattern = "|".join(re.escape(name) for name in servers)
+    return {"host": mon["host"], "url": f"{api_url(plan, 'alertmanager')}/api/v2/silences",
+            "matchers": [{"name": "k31_server", "value": f"^(?:{pattern})$", "isRegex": True, "isEqual": True}],
+            "comment": f"k31 redeploy of {', '.join(servers)}"}
 
 
 def follow_config(plan: dict[str, Any], host: str, **settings: Any) -> dict[str, Any] | None:

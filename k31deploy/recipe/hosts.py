@@ -1,7 +1,7 @@
 """The host layout a plan is resolved against: inventory hosts, or placeholders when there is none.
 
 Inventory contract (architecture.md): groups k31_unified / k31_prefill / k31_decode (engines),
-k31_router, k31_mooncake_master; host var `k31_server` groups hosts into one multi-node server
+k31_router, k31_mooncake_master, k31_monitoring; host var `k31_server` groups hosts into one multi-node server
 (default: the host name), `k31_node_rank` orders them (default: inventory order).
 """
 
@@ -25,7 +25,8 @@ from k31deploy.recipe.knobs import closest
 ENGINE_GROUPS = {role: f"k31_{role}" for role in ROLES}
 ROUTER_GROUP = "k31_router"
 MOONCAKE_GROUP = "k31_mooncake_master"
-K31_GROUPS = (*ENGINE_GROUPS.values(), ROUTER_GROUP, MOONCAKE_GROUP)
+MONITORING_GROUP = "k31_monitoring"
+K31_GROUPS = (*ENGINE_GROUPS.values(), ROUTER_GROUP, MOONCAKE_GROUP, MONITORING_GROUP)
 
 # `k31_*` variables that are not recipe knobs: the layout host vars, the roles' own variables (each
 # role's meta/argument_specs.yml, all entry points) and the few the playbooks read themselves. Anything

@@ -98,6 +98,16 @@ def listeners(r: _Resolver, plan: dict[str, Any]) -> list[Listener]:
                               "Mooncake store master RPC the HiCache L3 clients use (MOONCAKE_MASTER)"))
         found.append(Listener(master["host"], master["address"], master["metrics_port"], "mooncake-master-metrics",
                               "Mooncake store master: Prometheus metrics"))
+    monitoring = plan.get("monitoring")
+    if monitoring:
+        host, addr = monitoring["host"], monitoring["address"]
+        found.append(Listener(host, addr, monitoring["prometheus_port"], "prometheus",
+                              "Prometheus: scrapes the fleet, evaluates k31's alert rules (mutual TLS)"))
+        found.append(Listener(host, addr, monitoring["alertmanager_port"], "alertmanager",
+                              "Alertmanager: alerts and silences (mutual TLS)"))
+        found += [Listener(n["host"], n["address"], monitoring["node_exporter_port"], "node-exporter",
+                           "node exporter: host metrics and k31's unit start times, for Prometheus (mutual TLS)")
+                  for n in monitoring["nodes"]]
     return found
 
 

@@ -310,6 +310,14 @@ class _Resolver:
         self.mooncake_host = self._first_in(hosts, hostlib.MOONCAKE_GROUP, mooncake, "kv_offload=mooncake")
         if self.router == "none" and any(hostlib.ROUTER_GROUP in h.groups for h in hosts):
             self.warn("hosts in k31_router are unused: router=none")
+        self.monitoring = self.knob("monitoring", "prometheus")
+        # Prometheus and Alertmanager: the k31_monitoring host, else the router's, else the first engine host.
+        self.monitoring_host: Host | None = None
+        if self.monitoring != "none":
+            chosen = [h for h in hosts if hostlib.MONITORING_GROUP in h.groups]
+            self.monitoring_host = chosen[0] if chosen else self.router_host or self.servers[0].hosts[0]
+        elif any(hostlib.MONITORING_GROUP in h.groups for h in hosts):
+            self.warn("hosts in k31_monitoring are unused: monitoring=none")
 
     @staticmethod
     def _first_in(hosts: list[Host], group: str, needed: bool, why: str) -> Host | None:
@@ -563,8 +571,10 @@ class _Resolver:
             "servers": servers,
             "router": router_plan(self, servers),
             "mooncake_master": engine.mooncake_master(),
-            # the cluster CA's files (k31 pki) wherever a control plane authenticates by certificate
-            "pki": dict(self.cat["pki"]) if self.router == "dynamo" else None,
+            "monitoring": self._monitoring(servers),
+            # the cluster CA's files (k31 pki) wherever a control plane authenticates by certificate:
+            # Dynamo's, and Prometheus, Alertmanager and the node exporters (mutual TLS)
+            "pki": dict(self.cat["pki"]) if self.router == "dynamo" or self.monitoring != "none" else None,
             "warnings": self.warnings,
         }
         listening = ports.listeners(self, plan)
@@ -579,6 +589,23 @@ class _Resolver:
 
         annotate_plan(plan, Options(weights_gb_per_gpu=self.k.get("weights_gb_per_gpu")))
         return plan
+
+    def _monitoring(self, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Where Prometheus, Alertmanager and the blackbox exporter run, and every host of the plan, each
+        running a node exporter: all on cluster addresses (the blackbox exporter on loopback)."""
+        host = self.monitoring_host
+        if host is None:
+            return None
+        ports = self.cat["ports"]
+        used = [host, *(h for s in self.servers for h in s.hosts), *(h for h in (self.router_host, self.mooncake_host)
+                                                                      if h is not None)]
+        nodes: dict[str, str] = {}    # address -> host: hosts sharing an address are one machine, one exporter
+        for h in used:
+            nodes.setdefault(h.address, h.name)
+        return {"host": host.name, "address": host.address, "prometheus_port": ports["prometheus"],
+                "alertmanager_port": ports["alertmanager"], "blackbox_port": ports["blackbox_exporter"],
+                "node_exporter_port": ports["node_exporter"],
+                "nodes": [{"host": name, "address": address} for address, name in nodes.items()]}
 
     def _engine_section(self) -> dict[str, Any]:
         cfg = self.build_cfg

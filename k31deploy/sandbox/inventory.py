@@ -44,8 +44,8 @@ def sandbox_secrets(directory: Path, router: str) -> dict[str, str]:
     certificates instead of a key), the router API key: made once and kept (0600) so that redeploying the same
     sandbox changes nothing. A site keeps these in Ansible Vault (k31 pki init); a throwaway sandbox keeps them
     beside its inventory, which is 0600 too. For `k31 smoke`: the key is also in `router-api-key`
-    (--api-key-file); behind Dynamo, `client/` holds the CA and a client certificate of it (--ca-cert,
-    --client-cert, --client-key)."""
+    (--api-key-file); `client/` holds the CA and a client certificate of it, what the Dynamo frontend (--ca-cert,
+    --client-cert, --client-key), Prometheus and Alertmanager take."""
     import os
     import secrets as secrets_
 
@@ -56,12 +56,10 @@ def sandbox_secrets(directory: Path, router: str) -> dict[str, str]:
         return yaml.safe_load(path.read_text())
     ca = pki.new_ca("k31 sandbox CA")
     data = {"k31_pki_ca_cert": ca.cert, "k31_pki_ca_key": ca.key}
-    files = {}
-    if router == "dynamo":
-        client = pki.issue(ca, "k31-sandbox-client", ["k31-sandbox-client"])
-        (directory / "client").mkdir(mode=0o700, exist_ok=True)
-        files.update({"client/ca.crt": ca.cert, "client/client.crt": client.cert, "client/client.key": client.key})
-    else:
+    client = pki.issue(ca, "k31-sandbox-client", ["k31-sandbox-client"])
+    (directory / "client").mkdir(mode=0o700, exist_ok=True)
+    files = {"client/ca.crt": ca.cert, "client/client.crt": client.cert, "client/client.key": client.key}
+    if router != "dynamo":
         data["k31_router_api_key"] = secrets_.token_urlsafe(24)
         files["router-api-key"] = data["k31_router_api_key"] + "\n"
     for name, text in {**files, "secrets.yml": yaml.safe_dump(data)}.items():    # secrets.yml last: it says done

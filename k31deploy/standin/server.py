@@ -83,6 +83,38 @@ class RoomBoard:
             return self._cond.wait_for(lambda: room in self._rooms, timeout)
 
 
+# Upstream's default buckets (TokenizerMetricsCollector in observability/metrics_collector.py).
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100,
+               0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+# The stand-in has no memory pools: usage is running requests over the ceiling (or this many), and a HiCache
+# host pool of this many tokens that it never fills.
+STANDIN_POOL_REQUESTS = 64
+STANDIN_HOST_TOKENS = 1_000_000
+
+
+class _Histogram:
+    """A Prometheus histogram (cumulative buckets, +Inf, sum, count), as prometheus_client exposes it."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1, total: float | None = None) -> None:
+        i = next((k for k, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[i] += count
+        self.sum += value * count if total is None else total
+
+    def samples(self, labels: str) -> list[tuple[str, str, Any]]:
+        out, running = [], 0
+        for bound, n in zip([*map(repr, map(float, self.bounds)), "+Inf"], self.counts, strict=True):
+            running += n
+            out.append(("_bucket", f'{labels},le="{bound}"', running))
+        return [*out, ("_sum", labels, self.sum), ("_count", labels, running)]
+
+
 class Engine:
     """State one stand-in server shares between its request threads."""
 
@@ -101,6 +133,13 @@ class Engine:
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Upstream's TokenizerMetricsCollector histograms, observed from this stand-in's own request timings.
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.itl = _Histogram(ITL_BUCKETS)
+        self.e2e = _Histogram(E2E_BUCKETS)
+        self._started: dict[int, float] = {}
+        self._last_gen = (time.monotonic(), 0)
+        self.transfer_failed_total = 0
 
     @property
     def mode(self) -> str:
@@ -135,21 +174,66 @@ class Engine:
         return [{"dp_rank": r, **(busy if r == 0 else idle)} for r in range(self.args.attn_dp_size)]
 
     def metrics(self) -> str:
-        label = f'{{model_name="{self.args.served_model_name}"}}'
-        lines = []
+        """SGLang's exposition for what the stand-in knows (names, types and label names as upstream's
+        observability/metrics_collector.py; see k31deploy.monitoring.rules): the scheduler's gauges carry
+        model_name, engine_type and the ranks, the tokenizer's counters and histograms model_name only."""
+        args = self.args
+        model = f'model_name="{args.served_model_name}"'
+        engine_type = self.mode if self.mode in ("prefill", "decode") else "unified"
+        rank = f'{model},engine_type="{engine_type}",tp_rank="0",pp_rank="0",moe_ep_rank="0"'
+        if args.attn_dp_size > 1:
+            rank += ',dp_rank="0"'
+        lines: list[str] = []
+
+        def family(name: str, kind: str, text: str, samples: Iterable[tuple[str, str, Any]]) -> None:
+            lines.extend([f"# HELP sglang:{name} {text}", f"# TYPE sglang:{name} {kind}"])
+            lines.extend(f"sglang:{name}{suffix}{{{labels}}} {value}" for suffix, labels, value in samples)
+
         with self._lock:
-            rows = (("num_running_reqs", "gauge", "Running requests.", self.running_reqs),
-                    ("num_requests_total", "counter", "Requests admitted.", self.requests_total),
-                    ("prompt_tokens_total", "counter", "Prefill tokens.", self.prompt_tokens_total),
-                    ("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens_total))
-            for name, kind, text, value in rows:
-                lines += [f"# HELP sglang:{name} {text}", f"# TYPE sglang:{name} {kind}",
-                          f"sglang:{name}{label} {value}"]
+            running, total = self.running_reqs, self.requests_total
+            prompt, generated = self.prompt_tokens_total, self.generation_tokens_total
+            histograms = [(n, t, h.samples(model)) for n, t, h in (
+                ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
+                ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl),
+                ("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", self.e2e))]
+        ceiling = args.max_running_requests or STANDIN_POOL_REQUESTS
+        usage = min(1.0, running / ceiling)
+        family("num_running_reqs", "gauge", "The number of running requests.", [("", rank, running)])
+        family("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", [("", rank, 0)])
+        family("token_usage", "gauge", "The token usage.", [("", rank, usage)])
+        # Kimi-K3's KDA states sit in SGLang's mamba pool: one state per running request here.
+        family("mamba_usage", "gauge", "The token usage for Mamba layers.", [("", rank, usage)])
+        family("gen_throughput", "gauge", "The generation throughput (token/s).",
+               [("", rank, self._gen_throughput(generated))])
+        if args.enable_hierarchical_cache:
+            family("hicache_host_used_tokens", "gauge", "Number of tokens currently used in the host KV cache.",
+                   [("", rank, 0)])
+            family("hicache_host_total_tokens", "gauge", "Total capacity of the host KV cache in tokens.",
+                   [("", rank, STANDIN_HOST_TOKENS)])
+        if self.mode in ("prefill", "decode"):
+            family("num_transfer_failed_reqs_total", "counter", "The number of transfer failed requests.",
+                   [("", rank, self.transfer_failed_total)])
+            family("num_bootstrap_failed_reqs_total", "counter", "The number of bootstrap failed requests.",
+                   [("", rank, 0)])
+        family("num_requests_total", "counter", "Number of requests processed.", [("", model, total)])
+        family("prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", model, prompt)])
+        family("generation_tokens_total", "counter", "Number of generation tokens processed.",
+               [("", model, generated)])
+        for name, text, samples in histograms:
+            family(name, "histogram", text, samples)
         return "\n".join(lines) + "\n"
+
+    def _gen_throughput(self, generated: int) -> float:
+        """Tokens a second since the previous scrape, as upstream's gauge reports over its log interval."""
+        now = time.monotonic()
+        last_t, last_n = self._last_gen
+        self._last_gen = (now, generated)
+        return round((generated - last_n) / (now - last_t), 3) if now > last_t else 0.0
 
     def begin(self, reply_list: list[Reply]) -> None:
         prompt_tokens = sum(r.prompt_tokens for r in reply_list)
         with self._lock:
+            self._started[id(reply_list)] = time.monotonic()
             self.running_reqs += 1
             self.running_tokens += prompt_tokens
             # Totals count at admission, so a client sees its request in /metrics once answered.
@@ -162,9 +246,19 @@ class Engine:
             print(WIDE_LOG_LINE, flush=True)
 
     def end(self, reply_list: list[Reply]) -> None:
+        now = time.monotonic()
         with self._lock:
             self.running_reqs -= 1
             self.running_tokens -= sum(r.prompt_tokens for r in reply_list)
+            started = self._started.pop(id(reply_list), now)
+            # The stand-in writes an answer in one go: its first token leaves with the rest, so TTFT is the
+            # time to the answer, and the inter-token latency that time spread over the output tokens (counted
+            # per token, as upstream's observe_inter_token_latency does).
+            elapsed = now - started
+            tokens = max(1, sum(r.completion_tokens for r in reply_list))
+            self.ttft.observe(elapsed)
+            self.e2e.observe(elapsed)
+            self.itl.observe(elapsed / tokens, count=tokens, total=elapsed)
 
     def pd_gate(self, body: dict[str, Any]) -> None:
         """The PD contract: a prefill takes the request's room; a decode needs the prefill to have it."""
@@ -192,6 +286,11 @@ class Engine:
                 raise HTTPError(400, f"bootstrap_port must be an integer, got {port!r}") from exc
             self._fetch_kv(str(host), port, str(room_))
 
+    def _transfer_failed(self) -> None:
+        """sglang:num_transfer_failed_reqs_total: a decode that never got its KV from the prefill."""
+        with self._lock:
+            self.transfer_failed_total += 1
+
     def _fetch_kv(self, host: str, port: int, room: str) -> None:
         conn = http.client.HTTPConnection(host, port, timeout=self.kv_timeout + 5)
         try:
@@ -199,10 +298,12 @@ class Engine:
             status = conn.getresponse().status
         except OSError as exc:
             message = f"the prefill bootstrap server http://{host}:{port} does not answer: {exc}"
+            self._transfer_failed()
             raise HTTPError(502, message) from exc
         finally:
             conn.close()
         if status != 200:
+            self._transfer_failed()
             raise HTTPError(504, f"the prefill at http://{host}:{port} never took bootstrap_room {room} "
                                  f"(waited {self.kv_timeout:g} s)")
 

@@ -9,18 +9,29 @@ behind the real sglang-router), deployed once with deploy.yml plus the k31-pd-fo
     `k31 status` report it;
 (e) teardown asks first, then removes what the deploy created, idempotently.
 
+Monitoring (Prometheus, Alertmanager, node exporters, deployed with the fleet on router0; fast intervals here)
+is asserted along the way: the crash in (a) raises K31EngineCrashed, a hung decode pages K31EngineDown and
+clears once it answers again, the redeploy under load in (b) pages nobody, and the console page is captured
+with headless Chromium.
+
 Needs root, podman, runc, debootstrap and the router wheels (built into .k31/wheelhouse when missing).
 """
 
 from __future__ import annotations
 
+import http.server
 import ipaddress
 import json
 import os
+import shutil
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,6 +51,13 @@ MODEL = "moonshotai/Kimi-K3.1-Pro"
 PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 # The real `k31` CLI.
 RUNNER = ["-m", "k31deploy.cli"]
+# Monitoring at test speed: what a site runs at 15 s / 30 s / 20 m, shortened so each alert shows in seconds.
+MONITORING = {"k31_monitoring_scrape_interval": "2s", "k31_monitoring_evaluation_interval": "2s",
+              "k31_monitoring_group_wait": "1s", "k31_monitoring_group_interval": "5s",
+              "k31_monitoring_rule_settings": {"engine_down_for": "20s", "restart_window": "3m"}}
+ENGINE_DOWN_FOR_S = 20
+# Where the console screenshot goes (docs/img/monitoring-console.png in the README is one of these).
+SCREENSHOT = REPO / ".k31" / "artifacts" / "monitoring-console.png"
 
 
 def k31(env, *args, timeout=600):
@@ -104,6 +122,22 @@ class Cluster:
         self.client_headers = {"Authorization": f"Bearer {secrets['k31_router_api_key']}"}
         self.admin_headers = {"Authorization": "Bearer " + pki.derived_secret(secrets["k31_pki_ca_key"],
                                                                               "router-control-plane")}
+        # Prometheus and Alertmanager take a client certificate of the sandbox's cluster CA.
+        client = inventory.parent / "client"
+        self.tls = ssl.create_default_context(cafile=str(client / "ca.crt"))
+        self.tls.load_cert_chain(str(client / "client.crt"), str(client / "client.key"))
+        self.prometheus = f"https://{self.address['router0']}:9090"
+        self.alertmanager = f"https://{self.address['router0']}:9093"
+
+    def alerts(self):
+        """Alertmanager's alerts: [(name, server, severity, state)] (state active or suppressed)."""
+        with httpx.Client(verify=self.tls, timeout=10) as client:
+            listed = client.get(f"{self.alertmanager}/api/v2/alerts").json()
+        return [(a["labels"]["alertname"], a["labels"].get("k31_server"), a["labels"].get("severity"),
+                 a["status"]["state"]) for a in listed]
+
+    def firing(self, name, server):
+        return any(a[:2] == (name, server) and a[3] == "active" for a in self.alerts())
 
     def workers(self):
         listed = httpx.get(f"{self.router}/workers", headers=self.admin_headers, timeout=10).json()["workers"]
@@ -193,7 +227,8 @@ def cluster(tmp_path_factory):
         # This machine watches the engines' /health directly: it is in the firewall's cluster sources here.
         nodes = yaml.safe_load(inventory.read_text())["all"]["children"]["k31_router"]["hosts"]
         subnet = ipaddress.ip_network(f"{next(iter(nodes.values()))['ansible_host']}/24", strict=False)
-        proc = playbook(env, inventory, "deploy.yml", "-e", json.dumps({"k31_firewall_cluster_sources": [str(subnet)]}))
+        proc = playbook(env, inventory, "deploy.yml",
+                        "-e", json.dumps({"k31_firewall_cluster_sources": [str(subnet)], **MONITORING}))
         assert proc.returncode == 0, proc.stdout[-4000:]
         proc = playbook(env, inventory, "playbooks/redeploy.yml", "--tags", "k31_pd_follow")
         assert proc.returncode == 0, proc.stdout[-4000:]
@@ -225,11 +260,61 @@ def test_a_decode_crash_is_followed_by_its_prefill_restarts(cluster):
     print(f"(a) decode0 killed -> healthy again in {healthy_s:.1f} s; both prefills restarted after it "
           f"{time.monotonic() - t0:.1f} s after the kill")
     assert serve_all(cluster) == []
+    # Monitoring saw the crash (a ticket), and only the crash: the watcher's prefill restarts are k31's own.
+    wait_for("K31EngineCrashed for decode0 in Alertmanager", lambda: cluster.firing("K31EngineCrashed", "decode0"),
+             timeout=60)
+    crash_alert_s = time.monotonic() - t0
+    assert not [a for a in cluster.alerts() if a[0] == "K31EngineCrashed" and a[1] != "decode0"]
+    print(f"(a) K31EngineCrashed for decode0 fired in Alertmanager {crash_alert_s:.1f} s after the kill")
+    assert crash_alert_s < 60
+
+
+def test_a2_a_hung_decode_pages_and_clears_once_it_answers(cluster):
+    """SIGSTOP: the process lives (systemd restarts nothing) but answers nothing, the failure only monitoring
+    sees. K31EngineDown pages once engine_down_for has passed and clears when the process runs again."""
+    pid = sh("decode0", "systemctl show -p MainPID --value k31-decode0-r0").strip()
+    t0 = time.monotonic()
+    sh("decode0", f"kill -STOP {pid}")
+    try:
+        wait_for("K31EngineDown for decode0", lambda: cluster.firing("K31EngineDown", "decode0"),
+                 timeout=ENGINE_DOWN_FOR_S + 60, interval=1)
+        page_s = time.monotonic() - t0
+        status = k31(cluster.env, "status", "-i", str(cluster.inventory))
+        assert status.returncode == 1
+        row = next(line for line in status.stdout.splitlines() if line.startswith("decode0 "))
+        assert row.rstrip().endswith("K31EngineDown"), row
+        assert "problem: alert K31EngineDown (page) firing for decode0" in status.stdout
+        listing = k31(cluster.env, "alerts", "-i", str(cluster.inventory), "--json")
+        assert listing.returncode == 1
+        down = [a for a in json.loads(listing.stdout)["alerts"] if a["alert"] == "K31EngineDown"]
+        assert [(a["server"], a["severity"], a["state"]) for a in down] == [("decode0", "page", "active")]
+        assert "k31 logs -i" in down[0]["runbook"]
+    finally:
+        sh("decode0", f"kill -CONT {pid}")
+    t1 = time.monotonic()
+    wait_for("K31EngineDown for decode0 to clear", lambda: not cluster.firing("K31EngineDown", "decode0"),
+             timeout=60, interval=1)
+    clear_s = time.monotonic() - t1
+    print(f"(a2) decode0 hung -> K31EngineDown paged after {page_s:.1f} s (engine_down_for {ENGINE_DOWN_FOR_S} s, "
+          f"scrape and evaluation 2 s, group_wait 1 s); cleared {clear_s:.1f} s after it answered again")
+    assert ENGINE_DOWN_FOR_S <= page_s < ENGINE_DOWN_FOR_S + 30
+    wait_for("every server back in the router", cluster.all_in_router, timeout=60)
+    assert serve_all(cluster) == []
 
 
 def test_b_rolling_redeploy_of_one_decode_under_load_fails_no_request(cluster):
     before = {h: unit(h, f"k31-{h}-r0") for h in ("decode0", "decode1", "prefill0", "prefill1")}
     t0 = time.monotonic()
+    seen: set[tuple] = set()
+    watching = threading.Event()
+
+    def watch_alerts():
+        while not watching.is_set():
+            seen.update(cluster.alerts())
+            time.sleep(1)
+
+    watcher = threading.Thread(target=watch_alerts, daemon=True)
+    watcher.start()
     with Load(cluster.router, cluster.client_headers) as load:
         time.sleep(2)
         sent_before = load.sent
@@ -238,6 +323,14 @@ def test_b_rolling_redeploy_of_one_decode_under_load_fails_no_request(cluster):
         done = time.monotonic()
         time.sleep(1.5)
     took = done - t0
+    # Nothing pages through a planned redeploy (its silence, the for: windows), during it or once it is over.
+    time.sleep(ENGINE_DOWN_FOR_S)
+    watching.set()
+    watcher.join(10)
+    seen.update(cluster.alerts())
+    paged = sorted(a for a in seen if a[2] == "page" and a[3] == "active")
+    assert paged == [], paged
+    assert not any(a[0] == "K31EngineCrashed" and a[1] in ("decode1", "prefill0", "prefill1") for a in seen)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert load.failures == [], load.failures[:5]
     # The load was steady: it ran from before the redeploy until after it ended.
@@ -253,7 +346,57 @@ def test_b_rolling_redeploy_of_one_decode_under_load_fails_no_request(cluster):
     assert cluster.all_in_router()
     steps = [line.split("| ")[-1] for line in proc.stdout.splitlines() if " ok in " in line]
     print(f"(b) redeploy decode1 (+ prefill0, prefill1) took {took:.1f} s with {load.sent} requests, "
-          f"{len(load.failures)} failed; steps: {steps}")
+          f"{len(load.failures)} failed; steps: {steps}; alerts seen: {sorted(seen)}")
+
+
+class _ConsoleProxy(http.server.BaseHTTPRequestHandler):
+    """Loopback HTTP in front of Prometheus for the headless browser, which has no client certificate."""
+
+    upstream = ""
+    tls: ssl.SSLContext | None = None
+
+    def do_GET(self):
+        try:
+            with urllib.request.urlopen(self.upstream + self.path, timeout=10, context=self.tls) as resp:
+                body, status, kind = resp.read(), resp.status, resp.headers.get("Content-Type", "text/plain")
+        except urllib.error.HTTPError as exc:
+            body, status, kind = exc.read(), exc.code, "text/plain"
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_b2_the_console_page_shows_the_fleet(cluster, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is installed by scripts/system-packages"
+    handler = type("Proxy", (_ConsoleProxy,), {"upstream": cluster.prometheus, "tls": cluster.tls})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        page = f"http://127.0.0.1:{server.server_address[1]}/consoles/k31.html"
+        html = httpx.get(page, timeout=10).text
+        for name in ("prefill0", "prefill1", "decode0", "decode1"):
+            assert name in html
+        assert "error executing template" not in html
+        shot = tmp_path / "console.png"
+        # the graphs' time range: the last 15 minutes (prom_console.js reads it from the URL's #pctc)
+        proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                               "--window-size=1400,1100", "--virtual-time-budget=8000",
+                               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+                               page + "#pctc" + urllib.parse.quote(json.dumps({"duration": 900, "endTime": 0}))],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, SCREENSHOT)
+        print(f"(b2) console page captured: {SCREENSHOT} ({shot.stat().st_size} bytes)")
+    finally:
+        server.shutdown()
 
 
 def test_c_a_version_that_never_gets_healthy_rolls_back_by_itself(cluster):

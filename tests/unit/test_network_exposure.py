@@ -7,6 +7,7 @@ from recipe_helpers import flag
 
 from k31deploy import launch, pki
 from k31deploy.errors import K31Error
+from k31deploy.launch import rank_mounts
 from k31deploy.oncall.rollout import follow_config, rollout
 from k31deploy.recipe import from_mapping, resolve
 
@@ -62,8 +63,12 @@ def test_dynamo_processes_authenticate_every_control_plane():
         assert not {"NATS_AUTH_TOKEN", "ETCD_AUTH_PASSWORD", "ETCD_AUTH_CLIENT_KEY"} & set(env)
 
 
-def test_sglang_router_plans_need_no_cluster_ca():
-    assert resolve({"platform": "mi355x", "agents": 92})["pki"] is None
+def test_sglang_router_plans_need_the_cluster_ca_only_for_monitoring():
+    assert resolve({"platform": "mi355x", "agents": 92, "monitoring": "none"})["pki"] is None
+    plan = resolve({"platform": "mi355x", "agents": 92})
+    assert plan["pki"]["cert"] == "/etc/k31/pki/host.crt"    # Prometheus, Alertmanager, node exporters
+    # engines do not see the cluster CA's folder: only Dynamo's workers use it
+    assert all("/etc/k31/pki" not in m for s in plan["servers"] for r in s["ranks"] for m in rank_mounts(plan, r))
 
 
 def test_certificates_name_what_each_host_is_reached_by_and_secrets_derive_per_purpose():
@@ -81,7 +86,7 @@ def test_certificates_name_what_each_host_is_reached_by_and_secrets_derive_per_p
 
 
 def test_public_tls_puts_the_sites_certificate_on_the_sglang_router():
-    plan = resolve({"platform": "mi355x", "agents": 92, "public_tls": True}, hosts())
+    plan = resolve({"platform": "mi355x", "agents": 92, "public_tls": True, "monitoring": "none"}, hosts())
     router = plan["router"]
     assert flag(router["argv"], "--tls-cert-path") == "/etc/k31/tls/public.crt"
     assert flag(router["argv"], "--tls-key-path") == "/etc/k31/tls/public.key"

@@ -39,7 +39,8 @@ def healthy_answers():
                "pd_follow": {"pending": False, "because": [], "held": False}},
         "d0": {"units": {"k31-d0-r0": unit("k31-d0-r0", health=200, restarts=1)}},
         "d1": {"units": {"k31-d1-r0": unit("k31-d1-r0", health=200)}},
-        "r0": {"units": {"k31-router": unit("k31-router", runtime="venv", readiness=200, workers=workers)}},
+        "r0": {"units": {"k31-router": unit("k31-router", runtime="venv", readiness=200, workers=workers)},
+               "alerts": {"list": []}},
     }
 
 
@@ -213,3 +214,58 @@ def test_the_probe_authenticates_as_the_unit_it_checks(tmp_path):
     (frontend,) = [units for units in (s["units"] for s in dynamo.values()) if "k31-dynamo-frontend" in units]
     spec = frontend["k31-dynamo-frontend"]
     assert spec["models"].startswith("https://") and spec["auth"]["cert"] == "/etc/k31/pki/host.crt"
+
+
+# -- alerts: Alertmanager on the monitoring host (the router host by default) ------------------------------
+
+
+def alert(name, server, state="active", **extra):
+    return {"alert": name, "severity": "page", "server": server, "role": "decode", "state": state,
+            "silenced_by": [], "inhibited_by": [], "since": "2026-11-30T23:00:05.123Z",
+            "summary": f"{server} is down", "runbook": "k31 status -i INV", **extra}
+
+
+def test_the_monitoring_host_reads_alertmanager_with_its_certificate():
+    p = plan()
+    spec = gather.host_specs(p)["r0"]["alerts"]
+    assert spec == {"url": "https://10.0.0.9:9093/api/v2/alerts", "auth": p["pki"]}
+    off = resolve({"platform": "mi355x", "agents": 92, "monitoring": "none"})
+    assert all("alerts" not in s for s in gather.host_specs(off).values())
+    with pytest.raises(K31Error, match="monitoring=none: this plan deploys no Alertmanager"):
+        gather.alerts(off, ["inv.yml"], runner=fake_runner({}, {}))
+
+
+def test_firing_alerts_are_problems_next_to_their_server_and_silenced_ones_are_held():
+    answers = healthy_answers()
+    answers["r0"]["alerts"] = {"list": [alert("K31EngineDown", "d0"),
+                                        alert("K31EngineRestarted", "d1", state="suppressed", silenced_by=["s-1"])]}
+    doc = gather.status(plan(), ["inv.yml"], runner=fake_runner(answers, {}))
+    assert doc["problems"] == ["alert K31EngineDown (page) firing for d0: d0 is down"]
+    assert [(s["name"], s["alerts"]) for s in doc["servers"]] == [("p0", []), ("d0", ["K31EngineDown"]), ("d1", [])]
+    text = gather.render(doc)
+    d0_row = next(line for line in text.splitlines() if line.startswith("d0 "))
+    assert d0_row.endswith("K31EngineDown")
+    assert "alerts held back: K31EngineRestarted d1 (silenced)" in text
+    answers["r0"]["alerts"] = {"error": "Alertmanager answered 0"}
+    doc = gather.status(plan(), ["inv.yml"], runner=fake_runner(answers, {}))
+    assert doc["problems"] == ["alerts unknown: Alertmanager answered 0"]
+
+
+def test_k31_alerts_lists_them_and_exits_1_while_one_fires(capsys, monkeypatch):
+    answers = {"r0": {"alerts": {"list": [alert("K31EngineDown", "d0")]}}}
+    seen = {}
+    doc = gather.alerts(plan(), ["inv.yml"], runner=fake_runner(answers, seen))
+    assert seen["hosts"] == ["r0"] and '\\"mode\\": \\"alerts\\"' in seen["source"]
+    text = gather.render_alerts(doc)
+    assert text.splitlines()[0].split() == ["ALERT", "SEVERITY", "SERVER", "STATE", "SINCE", "SUMMARY"]
+    assert "K31EngineDown  page      d0      firing  2026-11-30T23:00:05  d0 is down" in text
+    assert gather.render_alerts({"host": "r0", "alerts": []}) == "no alerts (Alertmanager on r0)"
+    original = gather.alerts
+    monkeypatch.setattr(gather, "alerts", lambda *a, **kw: original(*a, **kw, runner=fake_runner(answers, {})))
+    monkeypatch.setattr(status_cmd, "plan_from_args", lambda args: plan())
+    monkeypatch.setattr(status_cmd, "_inventories", lambda args: ["inv.yml"])
+    args = argparse.Namespace(json=True, become=True)
+    assert status_cmd.cmd_alerts(args) == 1
+    assert json.loads(capsys.readouterr().out)["alerts"][0]["runbook"] == "k31 status -i INV"
+    answers["r0"]["alerts"] = {"list": []}
+    assert status_cmd.cmd_alerts(argparse.Namespace(json=False, become=True)) == 0

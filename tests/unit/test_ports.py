@@ -45,14 +45,15 @@ def test_the_table_names_every_service_and_its_purpose():
     plan = resolve({**GB300_PD, "kv_offload": "mooncake", "router": "sglang", "router_dialect": "launch_router"})
     assert listening(plan, "node0") == {
         8000: "sglang-router", 8998: "sglang-bootstrap", 9003: "mooncake-master-metrics",
+        9090: "prometheus", 9093: "alertmanager", 9100: "node-exporter",
         20000: "torch-dist-init", 29000: "sglang-router-metrics", 30000: "sglang", 50051: "mooncake-master"}
-    assert listening(plan, "node1") == {30000: "sglang"}
-    assert listening(plan, "node2") == {20000: "torch-dist-init", 30100: "sglang"}
+    assert listening(plan, "node1") == {9100: "node-exporter", 30000: "sglang"}
+    assert listening(plan, "node2") == {9100: "node-exporter", 20000: "torch-dist-init", 30100: "sglang"}
     purposes = {(p["host"], p["port"]): p["purpose"] for p in plan["ports"]}
     assert purposes[("node1", 30000)] == "prefill0 rank 1: /health"
     assert purposes[("node0", 20000)] == "prefill0: --dist-init-addr rendezvous of its 2 nodes"
     assert "MOONCAKE_MASTER" in purposes[("node0", 50051)]
-    dynamo = resolve(GB300_PD)
+    dynamo = resolve({**GB300_PD, "monitoring": "none"})
     assert listening(dynamo, "node0") == {2379: "etcd", 4222: "nats", 8000: "dynamo-frontend", 8998: "sglang-bootstrap",
                                           20000: "torch-dist-init", 29100: "dynamo-request-plane",
                                           29101: "dynamo-response-plane", 30000: "dynamo-worker"}

@@ -98,7 +98,8 @@ def test_known_hosts_lists_each_address_with_its_own_key():
 
 
 @pytest.mark.parametrize("shape, router, files", [
-    ("mi355x-1p1d", "sglang", {"router-api-key", "secrets.yml"}),
+    ("mi355x-1p1d", "sglang", {"router-api-key", "client", "client/ca.crt", "client/client.crt",
+                               "client/client.key", "secrets.yml"}),
     ("gb300-pd", "dynamo", {"client", "client/ca.crt", "client/client.crt", "client/client.key", "secrets.yml"}),
 ])
 def test_sandbox_secrets_are_the_credentials_its_endpoint_takes_made_once_and_private(tmp_path, shape, router,
@@ -113,6 +114,6 @@ def test_sandbox_secrets_are_the_credentials_its_endpoint_takes_made_once_and_pr
     assert pki.matches(data["k31_pki_ca_key"], data["k31_pki_ca_cert"])
     assert ("k31_router_api_key" in data) == (router != "dynamo")     # Dynamo checks certificates, not a key
     assert sandbox_secrets(tmp_path, router) == data                    # kept: a redeploy changes nothing
-    if router == "dynamo":
-        assert pki.renewal_reason((tmp_path / "client/client.crt").read_text(), data["k31_pki_ca_cert"],
-                                  ["k31-sandbox-client"]) is None
+    # a client certificate for the Dynamo frontend, Prometheus and Alertmanager
+    assert pki.renewal_reason((tmp_path / "client/client.crt").read_text(), data["k31_pki_ca_cert"],
+                              ["k31-sandbox-client"]) is None

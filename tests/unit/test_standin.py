@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 
@@ -429,3 +430,94 @@ def test_keys_from_a_config_file_guard_the_api_as_sglang_does(tmp_path, start):
     assert call(port, "POST", "/flush_cache", headers={"Authorization": "Bearer k-admin"})[0] == 200
     status, body = call(port, "GET", "/server_info", headers={"Authorization": "Bearer k-api"})
     assert status == 200 and b"k-admin" not in body and b"k-api" not in body
+
+
+# -- /metrics as SGLang exposes it (names, types and labels of upstream's metrics_collector.py) ----------------
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def exposition(text: str) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
+    """Parse the text format strictly: every sample belongs to a declared family, labels are well formed,
+    values are floats, and a histogram's buckets are cumulative and end at +Inf == _count."""
+    types: dict[str, str] = {}
+    samples: dict[tuple[str, frozenset], float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name not in types, f"family {name} declared twice"
+            types[name] = kind
+            continue
+        if line.startswith("#") or not line:
+            continue
+        m = SAMPLE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        name, raw, value = m.groups()
+        labels = frozenset(LABEL.findall(raw or ""))
+        assert raw is None or ",".join(f'{k}="{v}"' for k, v in LABEL.findall(raw)) == raw, line
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        assert family in types, f"{name} has no # TYPE"
+        samples[(name, labels)] = float(value)
+    for family, kind in types.items():
+        if kind != "histogram":
+            continue
+        for key in [k for k in samples if k[0] == f"{family}_count"]:
+            base = key[1]
+            buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in samples.items()
+                              if k[0] == f"{family}_bucket" and k[1] - {("le", dict(k[1])["le"])} == base))
+            counts = [v for _, v in buckets]
+            assert counts == sorted(counts) and buckets[-1][0] == float("inf") and counts[-1] == samples[key]
+    return types, samples
+
+
+def _value(samples, name: str, **labels: str) -> float:
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_metrics_export_sglang_names_types_and_labels(start):
+    _, port = start(["--enable-metrics", "--served-model-name", "k3", "--max-running-requests", "8",
+                     "--enable-hierarchical-cache"])
+    types, samples = exposition(call(port, "GET", "/metrics")[1].decode())
+    expected = {"sglang:num_running_reqs": "gauge", "sglang:num_queue_reqs": "gauge", "sglang:token_usage": "gauge",
+                "sglang:mamba_usage": "gauge", "sglang:gen_throughput": "gauge",
+                "sglang:hicache_host_used_tokens": "gauge", "sglang:hicache_host_total_tokens": "gauge",
+                "sglang:num_requests_total": "counter", "sglang:prompt_tokens_total": "counter",
+                "sglang:generation_tokens_total": "counter", "sglang:time_to_first_token_seconds": "histogram",
+                "sglang:inter_token_latency_seconds": "histogram", "sglang:e2e_request_latency_seconds": "histogram"}
+    assert {k: types.get(k) for k in expected} == expected
+    assert "sglang:num_transfer_failed_reqs_total" not in types  # unified: no PD counters
+    scheduler = {k for (n, ls) in samples if n == "sglang:num_running_reqs" for k, _ in ls}
+    assert scheduler == {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"}
+    assert _value(samples, "sglang:num_running_reqs", engine_type="unified") == 0
+    les = sorted(float(dict(ls)["le"]) for (n, ls) in samples if n == "sglang:time_to_first_token_seconds_bucket")
+    assert les[:3] == [0.1, 0.2, 0.4] and les[-2:] == [400.0, float("inf")]  # upstream's default buckets
+
+
+def test_ttft_and_itl_count_requests(start):
+    engine, port = start(["--enable-metrics", "--served-model-name", "k3"])
+    _, before = exposition(call(port, "GET", "/metrics")[1].decode())
+    assert _value(before, "sglang:time_to_first_token_seconds_count") == 0
+    for _ in range(2):
+        assert call(port, "POST", "/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 5}})[0] == 200
+    _, after = exposition(call(port, "GET", "/metrics")[1].decode())
+    assert _value(after, "sglang:time_to_first_token_seconds_count", model_name="k3") == 2
+    assert _value(after, "sglang:e2e_request_latency_seconds_count") == 2
+    assert _value(after, "sglang:inter_token_latency_seconds_count") == 10  # one per output token, as upstream
+    assert _value(after, "sglang:time_to_first_token_seconds_sum") > 0
+    engine.running_reqs = 6  # running over the pool's 64-request stand-in capacity
+    _, busy = exposition(call(port, "GET", "/metrics")[1].decode())
+    assert _value(busy, "sglang:num_running_reqs") == 6
+    assert _value(busy, "sglang:token_usage") == pytest.approx(6 / 64)
+
+
+def test_decode_counts_a_failed_kv_transfer(start):
+    _, port = start(["--enable-metrics", "--disaggregation-mode", "decode"], env={"K31_STANDIN_KV_TIMEOUT": "0.3"})
+    body = chat(bootstrap_host="127.0.0.1", bootstrap_port=1, bootstrap_room=9)  # nothing listens on 1
+    assert call(port, "POST", "/v1/chat/completions", body)[0] == 502
+    types, samples = exposition(call(port, "GET", "/metrics")[1].decode())
+    assert types["sglang:num_transfer_failed_reqs_total"] == "counter"
+    assert _value(samples, "sglang:num_transfer_failed_reqs_total", engine_type="decode") == 1
+    assert _value(samples, "sglang:num_bootstrap_failed_reqs_total") == 0

@@ -105,7 +105,8 @@ class Problems:
 
 def plan_hosts(plan: dict[str, Any]) -> list[str]:
     hosts = [r["host"] for s in plan["servers"] for r in s["ranks"]]
-    hosts += [part["host"] for part in (plan.get("router"), plan.get("mooncake_master")) if part]
+    hosts += [part["host"] for part in (plan.get("router"), plan.get("mooncake_master"), plan.get("monitoring"))
+              if part]
     return list(dict.fromkeys(hosts))
 
 
@@ -182,10 +183,13 @@ def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dic
     if plan.get("pki") or serving:
         missing = [name for name in plan_hosts(plan) if name in hosts
                    and not (hosts[name].has("k31_pki_ca_cert") and hosts[name].has("k31_pki_ca_key"))]
+        dynamo = (plan.get("router") or {}).get("kind") == "dynamo"
         what = ("router=dynamo: its control planes (NATS, the request and response planes, the frontend) "
-                "authenticate with certificates of the k31 cluster CA" if plan.get("pki") else
+                "authenticate with certificates of the k31 cluster CA" if dynamo else
                 "the engines' admin API (--admin-api-key) and the router's worker API (--control-plane-api-keys) "
-                "authenticate with keys derived from the k31 cluster CA")
+                "authenticate with keys derived from the k31 cluster CA" if serving else
+                "monitoring=prometheus: Prometheus, Alertmanager and the node exporters authenticate with "
+                "certificates of the k31 cluster CA")
         if missing:
             problems.add(f"{what}, which {', '.join(missing)} lack; run `k31 pki init --vars-file "
                          f"<inventory>/group_vars/all/k31_pki.yml --vault-password-file FILE` and deploy with that "
