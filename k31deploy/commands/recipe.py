@@ -85,6 +85,11 @@ def render_plan(plan: dict[str, Any]) -> str:
         lines.append(f"    {env + ' ' if env else ''}{shlex.join(router['argv'])}")
     else:
         lines.append("router: none (clients talk to the server directly)")
+    mon = plan.get("monitoring")
+    lines.append("")
+    lines.append(f"monitoring: Prometheus and Alertmanager on {mon['host']}, node exporters on "
+                 f"{', '.join(n['host'] for n in mon['nodes'])} (alerts: k31 alerts -i INV)" if mon else
+                 "monitoring: none (file_sd target files only, for the site's Prometheus)")
     lines += ["", "ports (every port each host listens on):", *port_lines(plan["ports"])]
     for warning in plan["warnings"]:
         lines.append(f"warning: {warning}")

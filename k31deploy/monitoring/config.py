@@ -199,6 +199,11 @@ def files(plan: dict[str, Any], host: str, settings: Settings, rule_settings: di
     out[f"{ETC}/alertmanager.yml"] = _yaml(alertmanager(plan, settings))
     out[f"{ETC}/blackbox.yml"] = _yaml(blackbox(plan))
     out[f"{ETC}/rules/k31.rules.yml"] = rules.rules_yaml(plan, rule_settings or {})
+    # the file_sd targets: engines and router (what monitoring=none leaves for a site's Prometheus), health probes
+    from k31deploy.launch import metrics_targets
+
+    for name, groups in metrics_targets(plan).items():
+        out[f"{SD_DIR}/{name}.json"] = json.dumps(groups, indent=2) + "\n"
     out[f"{SD_DIR}/k31-health.json"] = json.dumps(health_targets(plan), indent=2) + "\n"
     data = package_files("k31deploy") / "data" / "monitoring"
     for folder in ("consoles", "console_libraries"):

@@ -378,3 +378,17 @@ def test_promtool_harness_catches_a_wrong_expectation(tmp_path):
     result = _promtool("test", "rules", path.name, cwd=tmp_path)
     assert result.returncode != 0
     assert "K31EngineDown" in result.stdout + result.stderr
+
+
+def test_the_readme_lists_every_alert_with_its_severity(case):
+    """The README's on-call table is what on-call reads first: every alert a plan can raise is in it."""
+    _, plan = case
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Monitoring and alerts")[1].split("\n\n| alert |")[1].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in cells[0].replace("`", "").split(","):
+            rows[name.strip()] = cells[1]
+    for alert in monitoring.alert_catalog(plan):
+        assert rows.get(alert["name"]) == alert["severity"], alert["name"]
