@@ -17,7 +17,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -123,6 +124,7 @@ class Timeline:
         self.prefilled = admitted + prefill_s
         self.token_s, self.steps = token_s, steps
         self.first: float | None = None
+        self.ended = False
 
     def wait(self, tokens: int) -> None:
         """Sleep until `tokens` output tokens exist (0: until the prefill part is done)."""
@@ -306,6 +308,11 @@ class Engine:
         return Timeline(arrived, time.monotonic(), prompt_tokens, prefill_s, self.token_s, steps)
 
     def end(self, timeline: Timeline) -> None:
+        """The request is done (called once, before its last bytes leave: a client that has its answer sees it in
+        /metrics)."""
+        if timeline.ended:
+            return
+        timeline.ended = True
         now = time.monotonic()
         # Without a streamed token (a non-streamed answer) the first token was made steps - 1 tokens before the
         # end; with no timing set that is the time of the answer, which leaves with every token at once.
@@ -463,14 +470,14 @@ class EngineHandler(_Handler):
         path = urlsplit(self.path).path
         route = ROUTES.get(path)
         if route is None or (path == "/metrics" and not self.engine.args.enable_metrics):
-            self.send_error_json(404, f"no route {path}")
+            self._refuse(404, f"no route {path}")
             return
         if not authorized(path, self.headers.get("Authorization"), self.engine.args):
-            self.send_json(401, {"error": "Unauthorized"})
+            self._refuse(401, None)
             return
         methods, func = route
         if method not in methods:
-            self.send_error_json(405, f"{path} takes {' or '.join(methods)}")
+            self._refuse(405, f"{path} takes {' or '.join(methods)}")
             return
         try:
             func(self)
@@ -480,6 +487,14 @@ class EngineHandler(_Handler):
             self.send_error_json(400, str(exc))
         except ConnectionError:
             self.close_connection = True  # the client went away mid-answer
+
+    def _refuse(self, status: int, message: str | None) -> None:
+        # The unread body would otherwise be parsed as the keep-alive connection's next request.
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if message is None:
+            self.send_json(status, {"error": "Unauthorized"})
+        else:
+            self.send_error_json(status, message)
 
     # -- probes ---------------------------------------------------------------------------------
     def health(self) -> None:
@@ -515,42 +530,54 @@ class EngineHandler(_Handler):
         self.engine.pd_gate(body)
         return body
 
-    def _serve(self, body: dict[str, Any], replies_: list[Reply], answer: Callable[[Timeline], None],
-               stream: bool = False) -> None:
-        if stream:
-            # The status and headers leave at once, as Starlette's StreamingResponse sends them: a queued or
-            # prefilling stream is already a 200 to its client.
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
+    def _serve(self, body: dict[str, Any], replies_: list[Reply], answer: Callable[[], None]) -> None:
+        self.current = (body, replies_)
+        answer()
+
+    @contextmanager
+    def _running(self) -> Iterator[Timeline]:
+        """The current request in the running batch: queued for a slot, then its prefill part done (a prefill's
+        KV is the decode's to take from then on)."""
+        body, replies_ = self.current
         timeline = self.engine.begin(replies_, self.arrived)
         try:
             timeline.wait(0)
             self.engine.take_rooms(body)
-            answer(timeline)
+            yield timeline
         finally:
-            self.engine.end(timeline)
+            self.engine.end(timeline)  # when the answer broke off before its end
 
-    def _stream(self, events: Iterable[Any], timeline: Timeline) -> None:
+    def _stream(self, events: Iterable[Any]) -> None:
         """Write the events as SSE chunks, each once the tokens it carries exist."""
-        produced = 0
-        for event in [*events, "[DONE]"]:
-            produced = tokens_after(event, produced)
-            timeline.wait(produced)
-            data = event if isinstance(event, str) else json.dumps(event)
-            chunk = f"data: {data}\n\n".encode()
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            self.wfile.flush()
-            if produced and timeline.first is None:
-                timeline.first = time.monotonic()
-        self.wfile.write(b"0\r\n\r\n")
+        # The status and headers leave at once, as Starlette's StreamingResponse sends them: a queued or
+        # prefilling stream is already a 200 to its client.
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        with self._running() as timeline:
+            produced = 0
+            for event in [*events, "[DONE]"]:
+                produced = tokens_after(event, produced)
+                timeline.wait(produced)
+                if event == "[DONE]":
+                    self.engine.end(timeline)
+                data = event if isinstance(event, str) else json.dumps(event)
+                chunk = f"data: {data}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                if produced and timeline.first is None:
+                    timeline.first = time.monotonic()
+            self.wfile.write(b"0\r\n\r\n")
 
-    def _answer(self, timeline: Timeline, payload: Callable[[], Any]) -> None:
+    def _answer(self, payload: Callable[[], Any]) -> None:
         """A non-streamed answer: it leaves whole once its last token exists."""
-        timeline.wait(timeline.steps)
-        self.send_json(200, payload())
+        with self._running() as timeline:
+            timeline.wait(timeline.steps)
+            body = payload()
+            self.engine.end(timeline)
+            self.send_json(200, body)
 
     def _model(self, body: dict[str, Any]) -> str:
         return body.get("model") or self.engine.args.served_model_name
@@ -562,11 +589,11 @@ class EngineHandler(_Handler):
         rid, model, created = f"chatcmpl-{uuid.uuid4().hex}", self._model(body), int(time.time())
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            self._serve(body, [reply], lambda t: self._stream(
-                replies.chat_chunks(reply, rid, model, created, usage), t), stream=True)
+            self._serve(body, [reply], lambda: self._stream(
+                replies.chat_chunks(reply, rid, model, created, usage)))
         else:
-            self._serve(body, [reply], lambda t: self._answer(
-                t, lambda: replies.chat_response(reply, rid, model, created)))
+            self._serve(body, [reply], lambda: self._answer(
+                lambda: replies.chat_response(reply, rid, model, created)))
 
     def completions(self) -> None:
         body = self._request()
@@ -576,11 +603,11 @@ class EngineHandler(_Handler):
         if body.get("stream"):
             if len(batch) > 1:
                 raise BadRequest("the stand-in streams one prompt at a time")
-            self._serve(body, batch, lambda t: self._stream(
-                replies.completion_chunks(batch[0], rid, model, created), t), stream=True)
+            self._serve(body, batch, lambda: self._stream(
+                replies.completion_chunks(batch[0], rid, model, created)))
         else:
-            self._serve(body, batch, lambda t: self._answer(
-                t, lambda: replies.completion_response(batch, rid, model, created)))
+            self._serve(body, batch, lambda: self._answer(
+                lambda: replies.completion_response(batch, rid, model, created)))
 
     def generate(self) -> None:
         body = self._request()
@@ -594,13 +621,11 @@ class EngineHandler(_Handler):
             reply = batch[0]
             n = len(reply.content)
             events = [replies.generate_result(reply, rid, k) for k in range(1, n)]
-            self._serve(body, batch, lambda t: self._stream([*events, replies.generate_result(reply, rid)], t),
-                        stream=True)
+            self._serve(body, batch, lambda: self._stream([*events, replies.generate_result(reply, rid)]))
         elif is_batch:
-            self._serve(body, batch, lambda t: self._answer(t, lambda: [replies.generate_result(r, rid)
-                                                                        for r in batch]))
+            self._serve(body, batch, lambda: self._answer(lambda: [replies.generate_result(r, rid) for r in batch]))
         else:
-            self._serve(body, batch, lambda t: self._answer(t, lambda: replies.generate_result(batch[0], rid)))
+            self._serve(body, batch, lambda: self._answer(lambda: replies.generate_result(batch[0], rid)))
 
 
 def tokens_after(event: Any, produced: int) -> int:
