@@ -17,7 +17,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -92,6 +93,44 @@ E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 
 # host pool of this many tokens that it never fills.
 STANDIN_POOL_REQUESTS = 64
 STANDIN_HOST_TOKENS = 1_000_000
+# The timing model, in milliseconds (all 0 by default: answers are instant). Time to first token is the base plus
+# the per-1k-prompt-token part (a prefill's work); every output token then takes TOKEN_MS (a decode's work).
+TIMING_ENV = ("K31_STANDIN_TTFT_BASE_MS", "K31_STANDIN_TTFT_PER_1K_PROMPT_TOKENS_MS", "K31_STANDIN_TOKEN_MS")
+
+
+def timing_seconds(env: Mapping[str, str]) -> tuple[float, float, float]:
+    """(TTFT base, TTFT per prompt token, seconds per output token) from the environment."""
+    values = []
+    for name in TIMING_ENV:
+        raw = env.get(name) or "0"
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a number of milliseconds >= 0, got {raw!r}")
+        values.append(value / 1000)
+    base, per_1k, token = values
+    return base, per_1k / 1000, token
+
+
+class Timeline:
+    """One request's clock: arrival, admission into the running batch, the prefill part done, and when its
+    first output token left."""
+
+    def __init__(self, arrived: float, admitted: float, prompt_tokens: int, prefill_s: float, token_s: float,
+                 steps: int):
+        self.arrived, self.admitted, self.prompt_tokens = arrived, admitted, prompt_tokens
+        self.prefilled = admitted + prefill_s
+        self.token_s, self.steps = token_s, steps
+        self.first: float | None = None
+        self.ended = False
+
+    def wait(self, tokens: int) -> None:
+        """Sleep until `tokens` output tokens exist (0: until the prefill part is done)."""
+        delay = self.prefilled + tokens * self.token_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
 
 
 class _Histogram:
@@ -125,10 +164,21 @@ class Engine:
         self.ready_at = time.monotonic() + load_seconds
         self.kv_timeout = float(env.get("K31_STANDIN_KV_TIMEOUT", "10"))
         self.wide = args.enable_amd_monokernel and env.get("SGLANG_AMD_MONO_K31_WIDE") == "1"
+        ttft_base, ttft_per_token, token_s = timing_seconds(env)
+        # In PD a prefill does the TTFT part and a decode the per-token part; a unified server does both.
+        self.ttft_base = 0.0 if self.mode == "decode" else ttft_base
+        self.ttft_per_token = 0.0 if self.mode == "decode" else ttft_per_token
+        self.token_s = 0.0 if self.mode == "prefill" else token_s
+        # Requests past --max-running-requests wait for a slot in arrival order (SGLang's waiting queue).
+        self.ceiling = args.max_running_requests or float("inf")
         self.rooms = RoomBoard()
         self._lock = threading.Lock()
+        self._slots = threading.Condition(self._lock)
+        self._tickets = 0    # handed out on arrival
+        self._admitted = 0   # tickets admitted so far: the queue's head is ticket number _admitted
         self._wide_logged = False
         self.running_reqs = 0
+        self.queued_reqs = 0
         self.running_tokens = 0
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -137,7 +187,6 @@ class Engine:
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.itl = _Histogram(ITL_BUCKETS)
         self.e2e = _Histogram(E2E_BUCKETS)
-        self._started: dict[int, float] = {}
         self._last_gen = (time.monotonic(), 0)
         self.transfer_failed_total = 0
 
@@ -169,7 +218,8 @@ class Engine:
 
     def load(self) -> list[dict[str, int]]:
         with self._lock:
-            busy = {"num_reqs": self.running_reqs, "num_waiting_reqs": 0, "num_tokens": self.running_tokens}
+            busy = {"num_reqs": self.running_reqs, "num_waiting_reqs": self.queued_reqs,
+                    "num_tokens": self.running_tokens}
         idle = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         return [{"dp_rank": r, **(busy if r == 0 else idle)} for r in range(self.args.attn_dp_size)]
 
@@ -190,7 +240,7 @@ class Engine:
             lines.extend(f"sglang:{name}{suffix}{{{labels}}} {value}" for suffix, labels, value in samples)
 
         with self._lock:
-            running, total = self.running_reqs, self.requests_total
+            running, queued, total = self.running_reqs, self.queued_reqs, self.requests_total
             prompt, generated = self.prompt_tokens_total, self.generation_tokens_total
             histograms = [(n, t, h.samples(model)) for n, t, h in (
                 ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
@@ -199,7 +249,7 @@ class Engine:
         ceiling = args.max_running_requests or STANDIN_POOL_REQUESTS
         usage = min(1.0, running / ceiling)
         family("num_running_reqs", "gauge", "The number of running requests.", [("", rank, running)])
-        family("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", [("", rank, 0)])
+        family("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", [("", rank, queued)])
         family("token_usage", "gauge", "The token usage.", [("", rank, usage)])
         # Kimi-K3's KDA states sit in SGLang's mamba pool: one state per running request here.
         family("mamba_usage", "gauge", "The token usage for Mamba layers.", [("", rank, usage)])
@@ -230,10 +280,18 @@ class Engine:
         self._last_gen = (now, generated)
         return round((generated - last_n) / (now - last_t), 3) if now > last_t else 0.0
 
-    def begin(self, reply_list: list[Reply]) -> None:
+    def begin(self, reply_list: list[Reply], arrived: float | None = None) -> Timeline:
+        """Admit a request into the running batch, waiting in the queue while the batch is at the ceiling."""
+        arrived = time.monotonic() if arrived is None else arrived
         prompt_tokens = sum(r.prompt_tokens for r in reply_list)
-        with self._lock:
-            self._started[id(reply_list)] = time.monotonic()
+        with self._slots:
+            ticket = self._tickets
+            self._tickets += 1
+            self.queued_reqs += 1
+            self._slots.wait_for(lambda: ticket == self._admitted and self.running_reqs < self.ceiling)
+            self._admitted += 1
+            self.queued_reqs -= 1
+            self._slots.notify_all()  # the next in line may fit too
             self.running_reqs += 1
             self.running_tokens += prompt_tokens
             # Totals count at admission, so a client sees its request in /metrics once answered.
@@ -244,33 +302,51 @@ class Engine:
             self._wide_logged = self._wide_logged or log_wide
         if log_wide:
             print(WIDE_LOG_LINE, flush=True)
+        prefill_s = self.ttft_base + self.ttft_per_token * prompt_tokens
+        # A batch is decoded side by side: it takes as many steps as its longest answer.
+        steps = max((r.completion_tokens for r in reply_list), default=0)
+        return Timeline(arrived, time.monotonic(), prompt_tokens, prefill_s, self.token_s, steps)
 
-    def end(self, reply_list: list[Reply]) -> None:
+    def end(self, timeline: Timeline) -> None:
+        """The request is done (called once, before its last bytes leave: a client that has its answer sees it in
+        /metrics)."""
+        if timeline.ended:
+            return
+        timeline.ended = True
         now = time.monotonic()
-        with self._lock:
+        # Without a streamed token (a non-streamed answer) the first token was made steps - 1 tokens before the
+        # end; with no timing set that is the time of the answer, which leaves with every token at once.
+        first = timeline.first
+        if first is None:
+            first = max(timeline.admitted, now - max(0, timeline.steps - 1) * timeline.token_s)
+        tokens = max(1, timeline.steps)
+        with self._slots:
             self.running_reqs -= 1
-            self.running_tokens -= sum(r.prompt_tokens for r in reply_list)
-            started = self._started.pop(id(reply_list), now)
-            # The stand-in writes an answer in one go: its first token leaves with the rest, so TTFT is the
-            # time to the answer, and the inter-token latency that time spread over the output tokens (counted
-            # per token, as upstream's observe_inter_token_latency does).
-            elapsed = now - started
-            tokens = max(1, sum(r.completion_tokens for r in reply_list))
-            self.ttft.observe(elapsed)
-            self.e2e.observe(elapsed)
-            self.itl.observe(elapsed / tokens, count=tokens, total=elapsed)
+            self.running_tokens -= timeline.prompt_tokens
+            self._slots.notify_all()
+            self.ttft.observe(first - timeline.arrived)
+            self.e2e.observe(now - timeline.arrived)
+            # Decoding time spread over the output tokens, counted per token as upstream's
+            # observe_inter_token_latency does.
+            decoding = max(0.0, now - timeline.prefilled)
+            self.itl.observe(decoding / tokens, count=tokens, total=decoding)
+
+    def take_rooms(self, body: dict[str, Any]) -> None:
+        """A prefill has the request's KV once its prefill part is done: the decode waiting on the room may take
+        it from then on."""
+        if self.mode != "prefill":
+            return
+        room = body.get("bootstrap_room")
+        for r in room if isinstance(room, list) else [room]:
+            if r is not None:
+                self.rooms.add(r)
 
     def pd_gate(self, body: dict[str, Any]) -> None:
-        """The PD contract: a prefill takes the request's room; a decode needs the prefill to have it."""
-        room = body.get("bootstrap_room")
-        rooms = room if isinstance(room, list) else [room]
-        if self.mode == "prefill":
-            for r in rooms:
-                if r is not None:
-                    self.rooms.add(r)
-            return
+        """The PD contract, decode side: a decode needs the prefill to have the request's room (take_rooms)."""
         if self.mode != "decode":
             return
+        room = body.get("bootstrap_room")
+        rooms = room if isinstance(room, list) else [room]
         missing = [f for f in BOOTSTRAP_FIELDS if body.get(f) is None]
         if missing:
             raise HTTPError(400, f"a decode server needs {', '.join(missing)} in the request "
@@ -394,14 +470,14 @@ class EngineHandler(_Handler):
         path = urlsplit(self.path).path
         route = ROUTES.get(path)
         if route is None or (path == "/metrics" and not self.engine.args.enable_metrics):
-            self.send_error_json(404, f"no route {path}")
+            self._refuse(404, f"no route {path}")
             return
         if not authorized(path, self.headers.get("Authorization"), self.engine.args):
-            self.send_json(401, {"error": "Unauthorized"})
+            self._refuse(401, None)
             return
         methods, func = route
         if method not in methods:
-            self.send_error_json(405, f"{path} takes {' or '.join(methods)}")
+            self._refuse(405, f"{path} takes {' or '.join(methods)}")
             return
         try:
             func(self)
@@ -411,6 +487,14 @@ class EngineHandler(_Handler):
             self.send_error_json(400, str(exc))
         except ConnectionError:
             self.close_connection = True  # the client went away mid-answer
+
+    def _refuse(self, status: int, message: str | None) -> None:
+        # The unread body would otherwise be parsed as the keep-alive connection's next request.
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if message is None:
+            self.send_json(status, {"error": "Unauthorized"})
+        else:
+            self.send_error_json(status, message)
 
     # -- probes ---------------------------------------------------------------------------------
     def health(self) -> None:
@@ -439,30 +523,61 @@ class EngineHandler(_Handler):
 
     # -- generation -----------------------------------------------------------------------------
     def _request(self) -> dict[str, Any]:
+        self.arrived = time.monotonic()
         if self.engine.loading():
             raise HTTPError(503, "the model is loading")
         body = self.read_json()
         self.engine.pd_gate(body)
         return body
 
-    def _serve(self, replies_: list[Reply], answer: Callable[[], None]) -> None:
-        self.engine.begin(replies_)
+    def _serve(self, body: dict[str, Any], replies_: list[Reply], answer: Callable[[], None]) -> None:
+        self.current = (body, replies_)
+        answer()
+
+    @contextmanager
+    def _running(self) -> Iterator[Timeline]:
+        """The current request in the running batch: queued for a slot, then its prefill part done (a prefill's
+        KV is the decode's to take from then on)."""
+        body, replies_ = self.current
+        timeline = self.engine.begin(replies_, self.arrived)
         try:
-            answer()
+            timeline.wait(0)
+            self.engine.take_rooms(body)
+            yield timeline
         finally:
-            self.engine.end(replies_)
+            self.engine.end(timeline)  # when the answer broke off before its end
 
     def _stream(self, events: Iterable[Any]) -> None:
+        """Write the events as SSE chunks, each once the tokens it carries exist."""
+        # The status and headers leave at once, as Starlette's StreamingResponse sends them: a queued or
+        # prefilling stream is already a 200 to its client.
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        for event in [*events, "[DONE]"]:
-            data = event if isinstance(event, str) else json.dumps(event)
-            chunk = f"data: {data}\n\n".encode()
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        self.wfile.write(b"0\r\n\r\n")
+        with self._running() as timeline:
+            produced = 0
+            for event in [*events, "[DONE]"]:
+                produced = tokens_after(event, produced)
+                timeline.wait(produced)
+                if event == "[DONE]":
+                    self.engine.end(timeline)
+                data = event if isinstance(event, str) else json.dumps(event)
+                chunk = f"data: {data}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                if produced and timeline.first is None:
+                    timeline.first = time.monotonic()
+            self.wfile.write(b"0\r\n\r\n")
+
+    def _answer(self, payload: Callable[[], Any]) -> None:
+        """A non-streamed answer: it leaves whole once its last token exists."""
+        with self._running() as timeline:
+            timeline.wait(timeline.steps)
+            body = payload()
+            self.engine.end(timeline)
+            self.send_json(200, body)
 
     def _model(self, body: dict[str, Any]) -> str:
         return body.get("model") or self.engine.args.served_model_name
@@ -474,10 +589,11 @@ class EngineHandler(_Handler):
         rid, model, created = f"chatcmpl-{uuid.uuid4().hex}", self._model(body), int(time.time())
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            self._serve([reply], lambda: self._stream(replies.chat_chunks(reply, rid, model, created, usage)))
+            self._serve(body, [reply], lambda: self._stream(
+                replies.chat_chunks(reply, rid, model, created, usage)))
         else:
-            response = replies.chat_response(reply, rid, model, created)
-            self._serve([reply], lambda: self.send_json(200, response))
+            self._serve(body, [reply], lambda: self._answer(
+                lambda: replies.chat_response(reply, rid, model, created)))
 
     def completions(self) -> None:
         body = self._request()
@@ -487,10 +603,11 @@ class EngineHandler(_Handler):
         if body.get("stream"):
             if len(batch) > 1:
                 raise BadRequest("the stand-in streams one prompt at a time")
-            self._serve(batch, lambda: self._stream(replies.completion_chunks(batch[0], rid, model, created)))
+            self._serve(body, batch, lambda: self._stream(
+                replies.completion_chunks(batch[0], rid, model, created)))
         else:
-            self._serve(batch, lambda: self.send_json(200, replies.completion_response(batch, rid, model,
-                                                                                       created)))
+            self._serve(body, batch, lambda: self._answer(
+                lambda: replies.completion_response(batch, rid, model, created)))
 
     def generate(self) -> None:
         body = self._request()
@@ -504,11 +621,26 @@ class EngineHandler(_Handler):
             reply = batch[0]
             n = len(reply.content)
             events = [replies.generate_result(reply, rid, k) for k in range(1, n)]
-            self._serve(batch, lambda: self._stream([*events, replies.generate_result(reply, rid)]))
+            self._serve(body, batch, lambda: self._stream([*events, replies.generate_result(reply, rid)]))
         elif is_batch:
-            self._serve(batch, lambda: self.send_json(200, [replies.generate_result(r, rid) for r in batch]))
+            self._serve(body, batch, lambda: self._answer(lambda: [replies.generate_result(r, rid) for r in batch]))
         else:
-            self._serve(batch, lambda: self.send_json(200, replies.generate_result(batch[0], rid)))
+            self._serve(body, batch, lambda: self._answer(lambda: replies.generate_result(batch[0], rid)))
+
+
+def tokens_after(event: Any, produced: int) -> int:
+    """Output tokens that exist once this SSE event is out (its first token paces a stream's TTFT, the rest its
+    inter-token latency): one per chat or completion piece, a tool call's argument words, /generate's count."""
+    if not isinstance(event, dict):
+        return produced
+    if "meta_info" in event:
+        return int(event["meta_info"]["completion_tokens"])
+    choice = (event.get("choices") or [{}])[0]
+    if "text" in choice:
+        return produced + bool(choice["text"])
+    delta = choice.get("delta") or {}
+    calls = sum(len(c["function"]["arguments"].split()) for c in delta.get("tool_calls") or [])
+    return produced + bool(delta.get("content") or delta.get("reasoning_content")) + calls
 
 
 def authorized(path: str, authorization: str | None, args: argparse.Namespace) -> bool:
@@ -581,6 +713,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --enable-amd-monokernel cannot run this setup: " + "; ".join(problems), file=sys.stderr)
         return 1
     load_seconds = float(os.environ.get("K31_STANDIN_LOAD_SECONDS") or 0)
+    try:
+        timing_seconds(os.environ)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
