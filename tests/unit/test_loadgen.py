@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loopback import free_port
 
 from k31deploy import loadgen
 from k31deploy.loadgen import LoadGen, LoadGenError, check_target
 from k31deploy.standin.parser import parse_args
-from k31deploy.standin.server import Engine, EngineHandler, serve
+from k31deploy.standin.server import Engine, EngineHandler
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--model-path", "/models/kimi", "--served-model-name", "k3", "--reasoning-parser", "kimi_k3"]
@@ -25,18 +25,12 @@ LOW = {"reasoning_effort": "low"}   # 8 reasoning tokens + max_tokens content to
 
 
 @pytest.fixture
-def standin():
-    servers = []
-
+def standin(loopback):
     def _start(argv: list[str] = (), env: dict[str, str] | None = None) -> str:
-        server = serve("127.0.0.1", 0, EngineHandler, Engine(parse_args([*MODEL, *argv]), env=env or {}))
-        servers.append(server)
+        server = loopback.serve(EngineHandler, Engine(parse_args([*MODEL, *argv]), env=env or {}))
         return f"http://127.0.0.1:{server.server_address[1]}"
 
-    yield _start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    return _start
 
 
 def test_sessions_grow_their_context_turn_by_turn(standin):
@@ -100,12 +94,6 @@ def test_non_streamed_turns_complete_with_the_whole_answer(standin):
     report = loadgen.run(url, sessions=1, turns=2, max_requests=2, deadline=5, stream=False, extra_body=LOW)
     assert report.counts["complete"] == 2
     assert report.records[1].prompt_tokens > report.records[0].prompt_tokens
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_server_killed_mid_stream_truncates_the_streams_and_refuses_what_follows():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -14,6 +13,7 @@ import urllib.request
 
 import pytest
 import yaml
+from loopback import free_port
 
 from k31deploy import pki
 from k31deploy.monitoring import config
@@ -123,12 +123,6 @@ def test_promtool_and_amtool_accept_what_k31_writes(tmp_path):
     assert proc.returncode != 0    # the check can fail
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not shutil.which("prometheus-node-exporter"), reason="Debian's prometheus-node-exporter")
 def test_the_web_config_refuses_clients_without_a_cluster_certificate(tmp_path):
     ca = pki.new_ca()
@@ -144,7 +138,7 @@ def test_the_web_config_refuses_clients_without_a_cluster_certificate(tmp_path):
     web = config.web(plan())
     text = yaml.safe_dump(web).replace(config.TLS, str(tls))
     (tmp_path / "web.yml").write_text(text)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(["prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{port}",
                              f"--web.config.file={tmp_path / 'web.yml'}", "--collector.disable-defaults",
                              f"--collector.textfile.directory={tmp_path}", "--collector.textfile"],

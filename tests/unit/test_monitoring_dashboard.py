@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from loopback import free_port
 from recipe_helpers import plan as resolve_plan
 
 from k31deploy.monitoring.dashboard import grafana_dashboard
@@ -91,12 +91,6 @@ def test_hicache_and_ceiling_panels_follow_the_plan():
 # -- console template on a real Prometheus 2.42 ---------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -111,7 +105,7 @@ def test_console_page_renders_on_prometheus(tmp_path):
     plan = resolve_plan(**PLANS["mi355x-1p1d-sglang"])
     (tmp_path / "rules.yml").write_text(json.dumps(rules(plan)))  # JSON is YAML
     (tmp_path / "prometheus.yml").write_text("global: {evaluation_interval: 1s}\nrule_files: [rules.yml]\n")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
                              f"--web.console.templates={DATA / 'consoles'}",

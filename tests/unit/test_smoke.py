@@ -12,13 +12,14 @@ import threading
 
 import paramiko
 import pytest
+from loopback import free_port
 
 from k31deploy.commands import smoke as smoke_cmd
 from k31deploy.errors import K31Error
 from k31deploy.launch import endpoint_address
 from k31deploy.smoke import API_KEY_ENV, CHECKS, MASK, CheckResult, main, read_api_key, run_smoke
 from k31deploy.standin.parser import parse_args
-from k31deploy.standin.server import Engine, EngineHandler, serve
+from k31deploy.standin.server import Engine, EngineHandler
 
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 PARSERS = ["--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3"]
@@ -53,25 +54,12 @@ class KeyHandler(EngineHandler):
 
 
 @pytest.fixture
-def standin():
-    servers = []
-
+def standin(loopback):
     def _start(argv: list[str], handler=EngineHandler) -> tuple[Engine, str]:
         engine = Engine(parse_args(["--model-path", "/models/kimi", "--served-model-name", MODEL, *argv]), env={})
-        server = serve("127.0.0.1", 0, handler, engine)
-        servers.append(server)
-        return engine, f"http://127.0.0.1:{server.server_address[1]}/v1"
+        return engine, f"http://127.0.0.1:{loopback.serve(handler, engine).server_address[1]}/v1"
 
-    yield _start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return _start
 
 
 def outcome(results) -> dict[str, bool]:

@@ -20,7 +20,6 @@ from k31deploy.standin.server import (
     Engine,
     EngineHandler,
     monokernel_problems,
-    serve,
 )
 
 MODEL = ["--model-path", "/models/kimi"]
@@ -252,19 +251,12 @@ def test_wide_step_line_is_printed_once_on_first_decode(argv, env, printed, caps
 
 
 @pytest.fixture
-def start():
-    servers = []
-
+def start(loopback):
     def _start(argv: list[str], env: dict | None = None, handler=EngineHandler, engine: Engine | None = None):
         engine = engine or Engine(parse_args([*MODEL, *argv]), env=env or {})
-        server = serve("127.0.0.1", 0, handler, engine)
-        servers.append(server)
-        return engine, server.server_address[1]
+        return engine, loopback.serve(handler, engine).server_address[1]
 
-    yield _start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    return _start
 
 
 def call(port: int, method: str, path: str, body: dict | None = None,

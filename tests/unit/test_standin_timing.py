@@ -14,25 +14,18 @@ import httpx
 import pytest
 
 from k31deploy.standin.parser import parse_args
-from k31deploy.standin.server import Engine, EngineHandler, main, serve, timing_seconds
+from k31deploy.standin.server import BootstrapHandler, Engine, EngineHandler, main, timing_seconds
 
 MODEL = ["--model-path", "/models/kimi", "--enable-metrics"]
 
 
 @pytest.fixture
-def start():
-    servers = []
-
+def start(loopback):
     def _start(argv: list[str], env: dict[str, str]) -> tuple[Engine, str]:
         engine = Engine(parse_args([*MODEL, *argv]), env=env)
-        server = serve("127.0.0.1", 0, EngineHandler, engine)
-        servers.append(server)
-        return engine, f"http://127.0.0.1:{server.server_address[1]}"
+        return engine, f"http://127.0.0.1:{loopback.serve(EngineHandler, engine).server_address[1]}"
 
-    yield _start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    return _start
 
 
 def timing(base: int = 0, per_1k: int = 0, token: int = 0) -> dict[str, str]:
@@ -140,24 +133,18 @@ def test_requests_beyond_max_running_requests_wait_in_the_queue(start):
     assert metric(url, "time_to_first_token_seconds_sum") >= 0.45   # the queued request's wait is in its TTFT
 
 
-def test_pd_prefill_takes_the_ttft_and_the_decode_the_tokens(start):
-    from k31deploy.standin.server import BootstrapHandler
-
+def test_pd_prefill_takes_the_ttft_and_the_decode_the_tokens(start, loopback):
     prefill, p_url = start(["--disaggregation-mode", "prefill"], timing(base=300, token=30))
-    bootstrap = serve("127.0.0.1", 0, BootstrapHandler, prefill)
-    try:
-        _, d_url = start(["--disaggregation-mode", "decode"], {**timing(base=300, token=30),
-                                                                "K31_STANDIN_KV_TIMEOUT": "3"})
-        body = {"prompt": "hi", "max_tokens": 10, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bootstrap.server_address[1], "bootstrap_room": 77}
-        results: dict[str, tuple] = {}
-        decode = threading.Thread(target=lambda: results.update(d=stream(d_url, "/v1/completions", body)))
-        decode.start()   # the decode arrives first and waits for the prefill's KV
-        results["p"] = stream(p_url, "/v1/completions", body)
-        decode.join(5)
-    finally:
-        bootstrap.shutdown()
-        bootstrap.server_close()
+    bootstrap = loopback.serve(BootstrapHandler, prefill)
+    _, d_url = start(["--disaggregation-mode", "decode"], {**timing(base=300, token=30),
+                                                            "K31_STANDIN_KV_TIMEOUT": "3"})
+    body = {"prompt": "hi", "max_tokens": 10, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap.server_address[1], "bootstrap_room": 77}
+    results: dict[str, tuple] = {}
+    decode = threading.Thread(target=lambda: results.update(d=stream(d_url, "/v1/completions", body)))
+    decode.start()   # the decode arrives first and waits for the prefill's KV
+    results["p"] = stream(p_url, "/v1/completions", body)
+    decode.join(5)
     p_ttft, p_total, _, _ = results["p"]
     d_ttft, d_total, _, d_lines = results["d"]
     assert p_ttft >= 0.3 and p_total - p_ttft < 0.1     # the prefill: TTFT, then no per-token time
