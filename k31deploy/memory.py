@@ -80,7 +80,7 @@ def checkpoint_bytes(path: str, option: str = "--checkpoint") -> int:
     return sum(shard.stat().st_size for shard in shards)
 
 
-def _flag(argv: list[str], name: str) -> str | bool | None:
+def flag_value(argv: list[str], name: str) -> str | bool | None:
     """Value of a flag in argv: the next token, True for a bare switch, None when absent."""
     if name not in argv:
         return None
@@ -156,7 +156,7 @@ class _Server:
         # Imported here, not at module load: the resolver imports this module.
         from k31deploy.recipe.catalog import catalog
 
-        given = _number(_flag(self.argv, "--mem-fraction-static"))
+        given = _number(flag_value(self.argv, "--mem-fraction-static"))
         if given is not None:
             mfs, line = given, "--mem-fraction-static in the plan's argv"
         else:
@@ -176,9 +176,9 @@ class _Server:
         """Upstream's value when --mem-fraction-static is not given (server_args.py)."""
         a = self.c["mem_fraction_static_auto"]
         tier = next(t for t in a["tiers"] if t[0] is None or self.gpu_mib < t[0])
-        chunk = _number(_flag(self.argv, "--chunked-prefill-size"), int) or tier[1]
+        chunk = _number(flag_value(self.argv, "--chunked-prefill-size"), int) or tier[1]
         chunk = max(chunk, a["min_chunk_tokens"])
-        bs = _number(_flag(self.argv, "--cuda-graph-max-bs-decode"), int) or tier[2 if self.tp < 4 else 3]
+        bs = _number(flag_value(self.argv, "--cuda-graph-max-bs-decode"), int) or tier[2 if self.tp < 4 else 3]
         per_token = a["prefill_mib_per_token"]
         terms = [(f"{a['base_mib']} base", a["base_mib"]),
                  (f"{per_token} x {chunk} prefill chunk", per_token * chunk),
@@ -267,15 +267,15 @@ class _Server:
         """How the engine splits the pool between KDA slots and KV (upstream _handle_max_mamba_cache)."""
         slots_cfg = self.c["kda_slots_per_running_request"]
         argv, role = self.argv, self.s["role"]
-        radix_off = bool(_flag(argv, "--disable-radix-cache")) or (
-            role == "decode" and not _flag(argv, "--disaggregation-decode-enable-radix-cache"))
+        radix_off = bool(flag_value(argv, "--disable-radix-cache")) or (
+            role == "decode" and not flag_value(argv, "--disaggregation-decode-enable-radix-cache"))
         if role == "decode" or radix_off:
             self.ratio = self.put("kda_slots_per_request", slots_cfg["no_radix"],
                                   slots_cfg["no_radix_source"])
         else:
             self.ratio = self.put("kda_slots_per_request", slots_cfg["radix"],
                                   f"radix cache on: {slots_cfg['radix_source']}")
-        planned = _number(_flag(argv, "--max-running-requests"), int)
+        planned = _number(flag_value(argv, "--max-running-requests"), int)
         self.n = self.opts.concurrency or planned
         why = ("--concurrency" if self.opts.concurrency else
                "--max-running-requests in the plan's argv" if planned else
@@ -283,7 +283,7 @@ class _Server:
         self.put("max_running_requests", self.n, why)
         self.n_w = math.ceil(self.n / self.dp) if self.n else None
         self.t = self.opts.context_length or 2    # upstream: max_running_requests <= KV tokens // 2
-        explicit = _number(_flag(argv, "--max-mamba-cache-size"), int)
+        explicit = _number(flag_value(argv, "--max-mamba-cache-size"), int)
         if explicit is not None:
             self.mode, self.slots_w = "explicit", explicit // self.dp
             self.mode_text = f"--max-mamba-cache-size {explicit} / DP{self.dp}"
@@ -292,7 +292,7 @@ class _Server:
             self.mode_text = "radix cache off: upstream sets one slot per running request"
         else:
             self.mode = "ratio"
-            ratio = _number(_flag(argv, "--mamba-full-memory-ratio"))
+            ratio = _number(flag_value(argv, "--mamba-full-memory-ratio"))
             self.r = ratio or self.c["mamba_full_memory_ratio_default"]
             self.mode_text = (f"pool x {self.r:g} / (1 + {self.r:g}) for KDA states "
                               f"(--mamba-full-memory-ratio {self.r:g}, a KDA:KV ratio)")
@@ -424,7 +424,7 @@ class _Server:
     def _host(self) -> None:
         hc = self.c["hicache"]
         offload = self.s.get("kv_offload", "none")
-        hicache = offload in ("hicache", "mooncake") and bool(_flag(self.argv, "--enable-hierarchical-cache"))
+        hicache = offload in ("hicache", "mooncake") and bool(flag_value(self.argv, "--enable-hierarchical-cache"))
         dram = self._dram()
         if not hicache:
             self.put("host_pinned_bytes_per_gpu", 0, "no HiCache host tier on this server")
@@ -432,7 +432,7 @@ class _Server:
             self.put("host_needed_bytes_per_node", 0)
             self.put("host_fits", True if dram else None)
             return
-        ratio = _number(_flag(self.argv, "--hicache-ratio")) or hc["ratio_default"]
+        ratio = _number(flag_value(self.argv, "--hicache-ratio")) or hc["ratio_default"]
         mamba_ratio = _number(self.env.get(hc["mamba_host_ratio_env"])) or ratio
         if self.pool is None:
             self.put("host_pinned_bytes_per_gpu", None,

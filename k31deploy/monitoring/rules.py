@@ -47,6 +47,7 @@ from typing import Any
 import yaml
 
 from k31deploy.errors import K31Error
+from k31deploy.memory import flag_value
 
 # -- upstream metric names --------------------------------------------------------------------------------
 # SGLang: sgl-project/sglang python/sglang/srt/observability/metrics_collector.py (commit 44cedc2b; the same
@@ -122,10 +123,6 @@ def _settings(settings: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
-def _flag(argv: list[str], name: str) -> str | None:
-    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
-
-
 def ttft_threshold(server: dict[str, Any], settings: dict[str, Any]) -> float:
     """K31TTFTHigh's p90 threshold for a server: the setting, else the seed's measurement for its interval."""
     given = settings["ttft_p90_seconds"]
@@ -137,7 +134,7 @@ def ttft_threshold(server: dict[str, Any], settings: dict[str, Any]) -> float:
         return float(given)
     if given is not None and not isinstance(given, dict):
         raise K31Error(f"monitoring setting ttft_p90_seconds is {given!r}; it takes a number or {{server: number}}")
-    interval = _flag(server["ranks"][0]["argv"], "--prefill-decode-interval")
+    interval = flag_value(server["ranks"][0]["argv"], "--prefill-decode-interval")
     return SEED_TTFT_P90[16] if interval is not None and int(interval) >= 16 else SEED_TTFT_P90[8]
 
 
