@@ -13,6 +13,7 @@ from ansible.errors import AnsibleFilterError
 try:
     from k31deploy import address, envfile, launch
     from k31deploy.errors import K31Error
+    from k31deploy.monitoring import config as monitoring
     from k31deploy.recipe import from_mapping, resolve
     from k31deploy.recipe.hosts import K31_GROUPS
 except ImportError as exc:  # pragma: no cover - only without the package installed
@@ -145,27 +146,21 @@ def k31_monitoring_files(plan: dict[str, Any], host: str, settings: dict[str, An
                          rule_settings: dict[str, Any] | None = None,
                          grafana_provisioning: bool = False) -> dict[str, str]:
     """Every file k31_monitoring writes on `host` (path -> content), from the plan."""
-    from k31deploy.monitoring import config
-
     try:
-        return config.files(_plain(plan), str(host), config.Settings(**_plain(settings or {})),
-                            _plain(rule_settings or {}), bool(grafana_provisioning))
+        return monitoring.files(_plain(plan), str(host), monitoring.Settings(**_plain(settings or {})),
+                                _plain(rule_settings or {}), bool(grafana_provisioning))
     except (K31Error, TypeError, ValueError) as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 
 
 def k31_monitoring_args(plan: dict[str, Any], host: str, settings: dict[str, Any] | None = None) -> dict[str, str]:
     """The Debian monitoring units `host` runs -> their ARGS (/etc/default/<unit>)."""
-    from k31deploy.monitoring import config
-
-    return config.service_args(plan, host, config.Settings(**(settings or {})))
+    return monitoring.service_args(plan, host, monitoring.Settings(**(settings or {})))
 
 
 def k31_monitoring_ready_urls(plan: dict[str, Any], host: str) -> list[str]:
     """The monitoring URLs the role waits for on `host` (node exporter; Prometheus and Alertmanager)."""
-    from k31deploy.monitoring import config
-
-    return config.ready_urls(plan, host)
+    return monitoring.ready_urls(plan, host)
 
 
 class FilterModule:

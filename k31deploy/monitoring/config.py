@@ -18,10 +18,16 @@ k31-node / k31-health, target labels k31_server, k31_role, k31_strategy, k31_rou
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from importlib.resources import files as package_files
 from typing import Any
 
+import yaml
+
 from k31deploy import address as addr
+from k31deploy.launch import metrics_targets
+from k31deploy.monitoring import dashboard, rules
 
 # Where k31_monitoring puts its files on the monitoring host (root:prometheus, 0750/0640: the Debian units
 # run as user prometheus).
@@ -173,24 +179,20 @@ def api_url(plan: dict[str, Any], service: str) -> str:
 
 
 def _yaml(doc: dict[str, Any]) -> str:
-    import yaml
-
     return "# Written by k31 (k31_monitoring) from the plan; replaced on each deploy.\n" + yaml.safe_dump(
         doc, sort_keys=False, default_flow_style=False, width=120)
 
 
 def files(plan: dict[str, Any], host: str, settings: Settings, rule_settings: dict[str, Any] | None = None,
           grafana_provisioning: bool = False) -> dict[str, str]:
-    """Every file k31_monitoring writes on `host`: path -> content. Nodes get their exporter's web config;
-    the monitoring host also Prometheus', Alertmanager's and the blackbox exporter's configuration, the alert
-    rules generated from the plan, the console pages and the Grafana dashboard."""
-    import json
-    from importlib.resources import files as package_files
-
-    from k31deploy.monitoring import dashboard, rules
-
+    """Every file k31_monitoring writes on `host`: path -> content. Each unit the host runs gets its arguments
+    (/etc/default/<unit>, where Debian's units read ARGS); nodes get their exporter's web config; the monitoring
+    host also Prometheus', Alertmanager's and the blackbox exporter's configuration, the alert rules generated
+    from the plan, the console pages and the Grafana dashboard."""
     mon = monitoring_of(plan)
-    out: dict[str, str] = {}
+    out = {f"/etc/default/{unit}": "# Written by k31 (k31_monitoring) from the plan: listen on the cluster address, "
+                                   f"k31's configuration.\nARGS=\"{args}\"\n"
+           for unit, args in service_args(plan, host, settings).items()}
     if any(n["host"] == host for n in mon["nodes"]) or host == mon["host"]:
         out[f"{ETC}/web.yml"] = _yaml(web(plan))
     if host != mon["host"]:
@@ -200,8 +202,6 @@ def files(plan: dict[str, Any], host: str, settings: Settings, rule_settings: di
     out[f"{ETC}/blackbox.yml"] = _yaml(blackbox(plan))
     out[f"{ETC}/rules/k31.rules.yml"] = rules.rules_yaml(plan, rule_settings or {})
     # the file_sd targets: engines and router (what monitoring=none leaves for a site's Prometheus), health probes
-    from k31deploy.launch import metrics_targets
-
     for name, groups in metrics_targets(plan).items():
         out[f"{SD_DIR}/{name}.json"] = json.dumps(groups, indent=2) + "\n"
     out[f"{SD_DIR}/k31-health.json"] = json.dumps(health_targets(plan), indent=2) + "\n"

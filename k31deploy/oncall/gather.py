@@ -13,6 +13,7 @@ from typing import Any
 
 from k31deploy import address
 from k31deploy.errors import K31Error
+from k31deploy.monitoring.config import api_url
 from k31deploy.oncall.rollout import http, router_url, worker_url
 
 PROBE = Path(__file__).with_name("probe.py")
@@ -34,8 +35,6 @@ def alerts_spec(plan: dict[str, Any]) -> dict[str, Any] | None:
     """Where the probe on the monitoring host reads Alertmanager's alerts (with that host's certificate)."""
     if not plan.get("monitoring"):
         return None
-    from k31deploy.monitoring.config import api_url
-
     return {"url": f"{api_url(plan, 'alertmanager')}/api/v2/alerts", "auth": dict(plan["pki"])}
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from k31deploy.address import http_url, url
 from k31deploy.errors import K31Error
+from k31deploy.monitoring.config import api_url
 
 ROLES = ("decode", "prefill", "unified")  # also the rollout's phase order: prefills follow their decodes
 RULE = "the prefill keeps the old decode's Mooncake mapping (seed, PD disaggregation)"
@@ -146,8 +147,6 @@ def silence(plan: dict[str, Any], servers: list[str]) -> dict[str, Any] | None:
     mon = plan.get("monitoring")
     if not mon or not servers:
         return None
-    from k31deploy.monitoring.config import api_url
-
     pattern = "|".join(re.escape(name) for name in servers)
     return {"host": mon["host"], "url": f"{api_url(plan, 'alertmanager')}/api/v2/silences",
             "matchers": [{"name": "k31_server", "value": f"^(?:{pattern})$", "isRegex": True, "isEqual": True}],

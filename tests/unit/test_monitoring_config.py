@@ -92,7 +92,11 @@ def test_files_per_host_and_monitoring_none():
     assert "for: 30s" in mine["/etc/k31/monitoring/rules/k31.rules.yml"]
     assert json.loads(mine["/etc/k31/prometheus/k31-health.json"]) == config.health_targets(p)
     assert json.loads(mine["/etc/k31/monitoring/grafana/k31.json"])["panels"]
-    assert list(config.files(p, "d0", config.Settings())) == ["/etc/k31/monitoring/web.yml"]
+    assert config.files(p, "d0", config.Settings()) == {
+        "/etc/default/prometheus-node-exporter": "# Written by k31 (k31_monitoring) from the plan: listen on the "
+        "cluster address, k31's configuration.\nARGS=\"" + config.service_args(p, "d0", config.Settings())[
+            "prometheus-node-exporter"] + "\"\n",
+        "/etc/k31/monitoring/web.yml": config._yaml(config.web(p))}
     assert "/etc/grafana/provisioning/dashboards/k31.yaml" in config.files(p, "r0", config.Settings(), None, True)
     off = plan(monitoring="none")
     assert off["monitoring"] is None
