@@ -28,6 +28,7 @@ import yaml
 from k31deploy import address as addr
 from k31deploy.launch import metrics_targets
 from k31deploy.monitoring import dashboard, rules
+from k31deploy.recipe.catalog import flag_registry
 
 # Where k31_monitoring puts its files on the monitoring host (root:prometheus, 0750/0640: the Debian units
 # run as user prometheus).
@@ -37,6 +38,9 @@ SD_DIR = "/etc/k31/prometheus"    # the file_sd target files (also written where
 # Each host's engine units write their start time here (k31-unit-started); the node exporter's textfile
 # collector publishes it as k31_unit_start_time_seconds.
 TEXTFILE_DIR = "/var/lib/k31/textfile"
+# Each Debian unit -> its section of data/flags.yaml.
+UNIT_FLAGS = {"prometheus": "prometheus", "prometheus-alertmanager": "alertmanager",
+              "prometheus-node-exporter": "node_exporter", "prometheus-blackbox-exporter": "blackbox_exporter"}
 CLIENT_TLS = {"ca_file": f"{TLS}/ca.crt", "cert_file": f"{TLS}/host.crt", "key_file": f"{TLS}/host.key"}
 
 
@@ -147,29 +151,34 @@ def service_args(plan: dict[str, Any], host: str, settings: Settings) -> dict[st
     """ARGS of each Debian unit this host runs (its /etc/default/<package>): unit -> command-line arguments."""
     mon = monitoring_of(plan)
     node = next((n for n in mon["nodes"] if n["host"] == host), None)
-    args: dict[str, str] = {}
+    args: dict[str, list[str]] = {}
     if node is not None:
-        args["prometheus-node-exporter"] = " ".join([
+        args["prometheus-node-exporter"] = [
             f"--web.listen-address={addr.host_port(node['address'], mon['node_exporter_port'])}",
-            f"--web.config.file={ETC}/web.yml", f"--collector.textfile.directory={TEXTFILE_DIR}"])
+            f"--web.config.file={ETC}/web.yml", f"--collector.textfile.directory={TEXTFILE_DIR}"]
     if host == mon["host"]:
-        args["prometheus"] = " ".join([
+        args["prometheus"] = [
             f"--config.file={ETC}/prometheus.yml",
             f"--web.listen-address={addr.host_port(mon['address'], mon['prometheus_port'])}",
             f"--web.config.file={ETC}/web.yml",
             f"--web.console.templates={ETC}/consoles", f"--web.console.libraries={ETC}/console_libraries",
             "--storage.tsdb.path=/var/lib/prometheus/metrics2/",
-            f"--storage.tsdb.retention.time={settings.retention}"])
-        args["prometheus-alertmanager"] = " ".join([
+            f"--storage.tsdb.retention.time={settings.retention}"]
+        args["prometheus-alertmanager"] = [
             f"--config.file={ETC}/alertmanager.yml",
             f"--web.listen-address={addr.host_port(mon['address'], mon['alertmanager_port'])}",
             f"--web.config.file={ETC}/web.yml",
             # one Alertmanager: no gossip listener (upstream opens 9094 on every interface by default)
-            "--cluster.listen-address=", "--storage.path=/var/lib/prometheus/alertmanager/"])
-        args["prometheus-blackbox-exporter"] = " ".join([
+            "--cluster.listen-address=", "--storage.path=/var/lib/prometheus/alertmanager/"]
+        args["prometheus-blackbox-exporter"] = [
             f"--config.file={ETC}/blackbox.yml",
-            f"--web.listen-address={addr.host_port('127.0.0.1', mon['blackbox_port'])}"])
-    return args
+            f"--web.listen-address={addr.host_port('127.0.0.1', mon['blackbox_port'])}"]
+    for unit, flags in args.items():    # every flag k31 emits is registered with its source (data/flags.yaml)
+        known = flag_registry()[UNIT_FLAGS[unit]]
+        unknown = [f for f in flags if f.split("=", 1)[0] not in known]
+        if unknown:
+            raise AssertionError(f"flag {unknown[0]} is not registered in data/flags.yaml [{UNIT_FLAGS[unit]}]")
+    return {unit: " ".join(flags) for unit, flags in args.items()}
 
 
 def api_url(plan: dict[str, Any], service: str) -> str:

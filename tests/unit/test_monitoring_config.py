@@ -172,3 +172,29 @@ def test_the_web_config_refuses_clients_without_a_cluster_certificate(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+BINARIES = {"prometheus": "prometheus", "alertmanager": "prometheus-alertmanager",
+            "node_exporter": "prometheus-node-exporter", "blackbox_exporter": "prometheus-blackbox-exporter"}
+
+
+@pytest.mark.parametrize("section", sorted(BINARIES))
+def test_every_registered_monitoring_flag_is_one_the_packaged_binary_takes(section):
+    from k31deploy.recipe.catalog import flag_registry
+
+    binary = shutil.which(BINARIES[section])
+    if binary is None:
+        pytest.skip(f"{BINARIES[section]} (Debian's package) is not installed here")
+    offered = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+    text = offered.stdout + offered.stderr
+    for flag in flag_registry()[section]:
+        assert f"{flag}=" in text or f"{flag} " in text, f"{binary} --help does not list {flag}"
+
+
+def test_an_unregistered_monitoring_flag_is_refused(monkeypatch):
+    from k31deploy.recipe.catalog import flag_registry
+
+    registry = {**flag_registry(), "blackbox_exporter": {"--config.file": {}}}
+    monkeypatch.setattr(config, "flag_registry", lambda: registry)
+    with pytest.raises(AssertionError, match=r"--web.listen-address=127.0.0.1:9115 is not registered.*blackbox"):
+        config.service_args(plan(), "r0", config.Settings())
