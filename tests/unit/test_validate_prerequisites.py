@@ -265,3 +265,22 @@ def test_public_tls_needs_the_sites_certificate_and_key_on_the_router_host():
     given = cluster(plan, {"k31_router_api_key": "rk-1234567", "k31_pki_public_cert": PEM_CERT,
                            "k31_pki_public_key": PEM_KEY.replace("PRIVATE KEY", "EC PRIVATE KEY")})
     assert check(plan, given, ["secrets"]) == []
+
+
+# --- monitoring settings: refused before any host is touched, not in the monitoring play after the engines --------
+
+@pytest.mark.parametrize("extra, sentence", [
+    ({"k31_monitoring_scrape_interval": "15 seconds"},
+     "k31_monitoring_scrape_interval is '15 seconds'; it takes a Prometheus duration such as 15s, 5m or 15d"),
+    ({"k31_monitoring_rule_settings": {"engine_down_for": "20 minutes"}},
+     "k31_monitoring_rule_settings: monitoring setting engine_down_for is '20 minutes'; it takes a Prometheus "
+     "duration (5m, 1h30m)"),
+    ({"k31_monitoring_rule_settings": {"engine_down_fr": "20m"}},
+     "k31_monitoring_rule_settings: monitoring setting engine_down_fr is not valid; valid settings: "),
+])
+def test_bad_monitoring_settings_are_refused_before_any_host(extra, sentence):
+    plan = resolve(PD)
+    found = check(plan, cluster(plan, {"k31_router_api_key": "rk-1234567", **extra}), ["secrets"])
+    assert len(found) == 1 and found[0].startswith(sentence), found
+    good = {"k31_monitoring_scrape_interval": "5s", "k31_monitoring_rule_settings": {"engine_down_for": "30m"}}
+    assert check(plan, cluster(plan, {"k31_router_api_key": "rk-1234567", **good}), ["secrets"]) == []

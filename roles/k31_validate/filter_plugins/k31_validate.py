@@ -19,6 +19,7 @@ from ansible.module_utils.parsing.convert_bool import boolean
 try:
     from k31deploy import wheelhouse
     from k31deploy.errors import K31Error
+    from k31deploy.monitoring import rules as monitoring_rules
     from k31deploy.recipe.hosts import PEM_ROLE_VARS, is_pem
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
@@ -302,6 +303,33 @@ def check_wheelhouse(plan: dict[str, Any], groups: dict[str, list[str]], hosts: 
             problems.add(f"{why}, but {found}")
 
 
+# The k31_monitoring settings Prometheus or Alertmanager read as durations (Prometheus' duration syntax).
+MONITORING_DURATIONS = ("k31_monitoring_scrape_interval", "k31_monitoring_evaluation_interval",
+                        "k31_monitoring_retention", "k31_monitoring_group_wait", "k31_monitoring_group_interval",
+                        "k31_monitoring_repeat_interval")
+
+
+def check_monitoring(plan: dict[str, Any], hosts: dict[str, Host], problems: Problems) -> None:
+    """The monitoring host's settings, here rather than in the monitoring play, which runs after the engines."""
+    mon = plan.get("monitoring")
+    if not mon or mon["host"] not in hosts:
+        return
+    host = hosts[mon["host"]]
+    for var in MONITORING_DURATIONS:
+        value = host.text(var)
+        if not monitoring_rules.DURATION.match(value):
+            problems.add(f"{var} is {value!r}; it takes a Prometheus duration such as 15s, 5m or 15d")
+    settings = host.get("k31_monitoring_rule_settings") or {}
+    if not isinstance(settings, dict):
+        problems.add(f"k31_monitoring_rule_settings is {settings!r}; it takes a mapping such as "
+                     "{engine_down_for: 30m}")
+        return
+    try:
+        monitoring_rules.rules(plan, {"inventory": "-", **settings})
+    except K31Error as exc:
+        problems.add(f"k31_monitoring_rule_settings: {exc}")
+
+
 def k31_validate_prerequisites(plan: dict[str, Any], groups: dict[str, list[str]], hostvars: Any,
                                playbook_dir: str, checks: Iterable[str] = CHECKS, run_tags: Iterable[str] = ("all",),
                                skip_tags: Iterable[str] = ()) -> list[str]:
@@ -317,6 +345,7 @@ def k31_validate_prerequisites(plan: dict[str, Any], groups: dict[str, list[str]
     hosts = {n: Host(n, hostvars, defaults) for n in names if n in hostvars}
     problems = Problems()
     try:
+        check_monitoring(plan, hosts, problems)
         if "secrets" in checks:
             check_secrets(plan, hosts, problems)
         if "image" in checks and runs({"k31_image"}, run_tags, skip_tags):
