@@ -78,7 +78,7 @@ def k31(env, *args, timeout=600):
     return proc
 
 
-def playbook(env, inventory, path, *args, timeout=600):
+def playbook(env, inventory, path, *args, timeout=1200):
     proc = subprocess.run([str(PLAYBOOK), "-i", str(inventory), str(REPO / path), *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
     assert "Traceback" not in proc.stderr
