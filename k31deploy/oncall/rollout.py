@@ -117,9 +117,10 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
                      "those prefills restarted" if hold else
                      "every decode server restarts, so each rejoins the router after its health gate; until the "
                      "prefills restarted, requests through it may meet a stale mapping")
-    if router and not drain:
-        notes.append(f"router kind {router['kind']}: servers are not drained through a worker API "
-                     "(Dynamo workers leave discovery as they stop)")
+    if router and router["kind"] == "dynamo":
+        notes.append("router kind dynamo: each worker drains itself -- on SIGTERM it leaves discovery, finishes its "
+                     "in-flight requests and then exits (dynamo.sglang's graceful shutdown), so rank 0 is stopped "
+                     "first and the stop waits for it (k31_engine_dynamo_stop_timeout)")
 
     chunks = _chunks(steps, batch)
     return {
