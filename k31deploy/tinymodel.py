@@ -1,10 +1,13 @@
-"""A tiny, weightless model directory for Dynamo's mocker engine and frontend.
+"""A tiny, weightless model directory for the sandbox's Dynamo workers and the frontend.
 
-`python -m dynamo.mocker --model-path DIR` and the frontend it registers with read only
-``config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` (with a chat template); no
-weights are loaded. No model hub is reachable from the test machines, so the tokenizer is trained
-here, offline, on a generated corpus. The mocker emits token ids around 1000-1999, so the vocabulary
-must hold at least 2048 ids or detokenisation fails: the corpus yields about 2500.
+The Dynamo worker stand-in (k31deploy.standin.dynamo) registers this directory with
+``dynamo.llm.register_model``; the frontend reads only ``config.json``, ``tokenizer.json`` and
+``tokenizer_config.json`` (with a chat template) from it, to render prompts into token ids and
+detokenise the worker's ids; no weights are loaded. No model hub is reachable from the test machines,
+so the tokenizer is trained here, offline, on a generated corpus that holds every word the stand-in
+answers with (k31deploy.standin.replies.VOCAB), so each of its words is one token, as the stand-in's
+timing model counts them, and Kimi K3's XTML markers are single tokens too. ``MIN_VOCAB`` keeps the
+vocabulary at the size Dynamo's mocker engine needs (it emits ids around 1000-1999).
 
 Needs the ``tokenizers`` package (part of the ``dynamo`` wheelhouse set), so run it with the Dynamo
 venv's interpreter: ``PYTHONPATH=<repo> <venv>/bin/python -m k31deploy.tinymodel DIR NAME``.
@@ -19,10 +22,20 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from k31deploy.standin.replies import VOCAB
+
 MIN_VOCAB = 2048
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
-# ChatML, the template shape the Kimi and Qwen families use.
+# Kimi K3's XTML markers (k31deploy.standin.dynamo.reply_pieces), one token each. Not special tokens: the
+# frontend detokenises without them, and its kimi_k3 parsers must see the markers in the text.
+XTML_TOKENS = ["<|open|>", "<|close|>", "<|sep|>"]
+XTML_TAGS = ("think", "response", "tools", "call", "json")
+# ChatML, the template shape the Kimi and Qwen families use. The request's tools and reasoning_effort are
+# rendered into the prompt as a Kimi template renders them, since the prompt's token ids are all a Dynamo
+# worker receives: the stand-in worker reads them back to answer as the SGLang stand-in does.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% if reasoning_effort %}<|im_start|>reasoning_effort\n{{ reasoning_effort }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -48,7 +61,12 @@ _SYLLABLES = [
 def _corpus() -> list[str]:
     # Every two- and three-syllable word: enough distinct pairs for BPE to learn > MIN_VOCAB merges.
     words = ["".join(p) for n in (2, 3) for p in itertools.product(_SYLLABLES, repeat=n)]
-    return [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    # The stand-in's words, often enough that BPE merges each one, each also first on a line (the first word
+    # of an answer has no leading space).
+    words = (*VOCAB, *XTML_TAGS)
+    rotations = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    return lines + rotations * 20
 
 
 def build_tokenizer() -> Tokenizer:
@@ -62,6 +80,7 @@ def build_tokenizer() -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.add_tokens(XTML_TOKENS)
     if tokenizer.get_vocab_size() < MIN_VOCAB:
         raise RuntimeError(f"tiny tokenizer has {tokenizer.get_vocab_size()} ids, the mocker needs {MIN_VOCAB}")
     return tokenizer
