@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,8 @@ import random
 import re
 import sys
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -38,6 +41,9 @@ log = logging.getLogger("k31.standin.dynamo")
 
 # One ChatML turn of the tiny model's template (k31deploy.tinymodel.CHAT_TEMPLATE).
 TURN = re.compile(r"<\|im_start\|>(?P<role>[^\n]*)\n(?P<content>.*?)<\|im_end\|>\n?", re.DOTALL)
+# SGLang's default page of 1 token would make the chat template's shared prefix look cached everywhere, and the
+# KV router would send every request to one worker: 16, a common engine block size.
+KV_BLOCK_SIZE = 16
 # Upstream's env names for --dyn-reasoning-parser / --dyn-tool-call-parser
 # (dynamo/common/configuration/groups/runtime_args.py).
 PARSER_ENV = {"reasoning": "DYN_REASONING_PARSER", "tool_call": "DYN_TOOL_CALL_PARSER"}
@@ -116,11 +122,45 @@ def reply_pieces(reply: Reply) -> list[str]:
     return [*pieces, response[0], *content, response[1]]
 
 
+class KvBlocks:
+    """The KV blocks this worker holds, published as Dynamo KV events so the frontend's KV router can route on
+    prefix overlap, as dynamo.sglang relays SGLang's own (publisher.py: KvEventPublisher). Full blocks of the
+    prompt only; the oldest leave (a removed event) once more than `capacity` are held."""
+
+    def __init__(self, publisher: Any, block_size: int, capacity: int = 4096):
+        self.publisher, self.block_size, self.capacity = publisher, block_size, capacity
+        self._held: OrderedDict[int, None] = OrderedDict()
+
+    def store(self, token_ids: list[int]) -> None:
+        parent = None
+        for end in range(self.block_size, len(token_ids) + 1, self.block_size):
+            block = block_hash(token_ids[:end])
+            if block in self._held:
+                self._held.move_to_end(block)
+            else:
+                self.publisher.publish_stored(token_ids[end - self.block_size:end], [self.block_size], [block],
+                                              parent_hash=parent)
+                self._held[block] = None
+            parent = block
+        evicted = []
+        while len(self._held) > self.capacity:
+            evicted.append(self._held.popitem(last=False)[0])
+        if evicted:
+            self.publisher.publish_removed(evicted)
+
+
+def block_hash(prefix: list[int]) -> int:
+    """A block's id: a signed 64-bit hash of every token up to its end (its whole prefix, as an engine's
+    block hashes chain)."""
+    digest = hashlib.blake2b(array("q", prefix).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 class Worker:
     """One worker's request handlers over the stand-in Engine (its timing, queue and PD bootstrap rooms)."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, bootstrap: tuple[str, int] | None):
-        self.engine, self.tokenizer, self.bootstrap = engine, tokenizer, bootstrap
+    def __init__(self, engine: Engine, tokenizer: Any, bootstrap: tuple[str, int] | None, kv: KvBlocks | None):
+        self.engine, self.tokenizer, self.bootstrap, self.kv = engine, tokenizer, bootstrap, kv
 
     def _reply(self, request: dict[str, Any]) -> tuple[Reply, list[list[int]]]:
         ids = request.get("token_ids") or []
@@ -134,7 +174,6 @@ class Worker:
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         """Decode (or aggregated) worker: token ids out, one stand-in token at a time."""
         reply, pieces = self._reply(request)
-        limit = (request.get("stop_conditions") or {}).get("max_tokens")
         if self.engine.mode == "decode":
             # The decode takes the request's KV from the prefill named in bootstrap_info (set by the frontend
             # from the prefill's disaggregated_params, as decode_handler.py reads it).
@@ -145,9 +184,11 @@ class Worker:
                 raise RuntimeError(f"disaggregated decode: {exc}") from exc
         timeline = await asyncio.to_thread(self.engine.begin, [reply])
         try:
-            # One piece is one token, as the SGLang stand-in counts them (its timing and max_tokens).
-            cut = limit is not None and len(pieces) > limit
-            pieces = pieces[:limit] if cut else pieces
+            await _until(timeline.prefilled)
+            if self.kv is not None:
+                self.kv.store(request.get("token_ids") or [])
+            # One piece is one token, as the SGLang stand-in counts them; the reply's content already stops at
+            # max_tokens there (replies.chat_reply), so the pieces go out whole.
             for n, ids in enumerate(pieces, 1):
                 await _until(timeline.prefilled + n * timeline.token_s)
                 if context.is_stopped():
@@ -155,12 +196,11 @@ class Worker:
                 yield {"token_ids": ids}
                 if timeline.first is None:
                     timeline.first = time.monotonic()
-            sent = len(pieces)
             # The frontend's tool parser turns a call into finish_reason tool_calls; the engine itself stopped.
-            finish = "length" if cut else "stop" if reply.finish_reason == "tool_calls" else reply.finish_reason
+            finish = "stop" if reply.finish_reason == "tool_calls" else reply.finish_reason
             yield {"token_ids": [], "finish_reason": finish,
-                   "completion_usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": sent,
-                                        "total_tokens": reply.prompt_tokens + sent}}
+                   "completion_usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(pieces),
+                                        "total_tokens": reply.prompt_tokens + len(pieces)}}
         finally:
             self.engine.end(timeline)
 
@@ -179,6 +219,8 @@ class Worker:
         timeline = await asyncio.to_thread(self.engine.begin, [dataclasses.replace(reply, content=[])])
         try:
             await _until(timeline.prefilled)
+            if self.kv is not None:
+                self.kv.store(inner.get("token_ids") or [])
             self.engine.take_rooms({"bootstrap_room": room})
         finally:
             self.engine.end(timeline)
@@ -202,7 +244,7 @@ def bootstrap_address(args: Any, env: Mapping[str, str]) -> tuple[str, int]:
 
 async def serve_worker(argv: list[str], model_dir: str, reasoning: str | None, tool_call: str | None) -> None:
     from dynamo.common.utils.runtime import create_runtime
-    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.sglang.shutdown import install_graceful_shutdown
     from tokenizers import Tokenizer
 
@@ -231,16 +273,17 @@ async def serve_worker(argv: list[str], model_dir: str, reasoning: str | None, t
         # dynamo.sglang worker in the plan does not get).
         servers.append(serve(bootstrap[0], bootstrap[1], BootstrapHandler, engine))
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    worker = Worker(engine, tokenizer, bootstrap)
-
     component = "prefill" if prefill else "backend"     # args.py: prefill workers serve {ns}.prefill.generate
     endpoint = runtime.endpoint(f"{namespace}.{component}.generate")
     shutdown_endpoints[:] = [endpoint]
+    kv = KvBlocks(KvEventPublisher(endpoint, kv_block_size=KV_BLOCK_SIZE), KV_BLOCK_SIZE)
+    worker = Worker(engine, tokenizer, bootstrap, kv)
 
     config = ModelRuntimeConfig()
     config.reasoning_parser = reasoning          # register.py get_runtime_config
     config.tool_call_parser = tool_call
     config.context_length = args.context_length
+    config.kv_event_publishing_enabled = True
     if prefill:
         model_type, worker_type, needs = ModelType.Prefill, WorkerType.Prefill, [[WorkerType.Decode]]
     elif args.disaggregation_mode == "decode":
@@ -258,7 +301,7 @@ async def serve_worker(argv: list[str], model_dir: str, reasoning: str | None, t
             endpoint.serve_endpoint(worker.prefill if prefill else worker.generate, graceful_shutdown=True,
                                     health_check_payload=health),
             register_model(ModelInput.Tokens, model_type, endpoint, model_dir, name, worker_type=worker_type,
-                           needs=needs, runtime_config=config),
+                           needs=needs, runtime_config=config, kv_cache_block_size=KV_BLOCK_SIZE),
         )
     finally:
         for server in servers:
