@@ -6,8 +6,7 @@ The Dynamo worker stand-in (k31deploy.standin.dynamo) registers this directory w
 detokenise the worker's ids; no weights are loaded. No model hub is reachable from the test machines,
 so the tokenizer is trained here, offline, on a generated corpus that holds every word the stand-in
 answers with (k31deploy.standin.replies.VOCAB), so each of its words is one token, as the stand-in's
-timing model counts them, and Kimi K3's XTML markers are single tokens too. ``MIN_VOCAB`` keeps the
-vocabulary at the size Dynamo's mocker engine needs (it emits ids around 1000-1999).
+timing model counts them, and Kimi K3's XTML markers are single tokens too.
 
 Needs the ``tokenizers`` package (part of the ``dynamo`` wheelhouse set), so run it with the Dynamo
 venv's interpreter: ``PYTHONPATH=<repo> <venv>/bin/python -m k31deploy.tinymodel DIR NAME``.
@@ -24,7 +23,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from k31deploy.standin.replies import VOCAB
 
-MIN_VOCAB = 2048
+# Room for the syllable words' merges and the stand-in's words (build_tokenizer checks that each is one token).
+VOCAB_SIZE = 2560
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 # Kimi K3's XTML markers (k31deploy.standin.dynamo.reply_pieces), one token each. Not special tokens: the
 # frontend detokenises without them, and its kimi_k3 parsers must see the markers in the text.
@@ -59,7 +59,7 @@ _SYLLABLES = [
 
 
 def _corpus() -> list[str]:
-    # Every two- and three-syllable word: enough distinct pairs for BPE to learn > MIN_VOCAB merges.
+    # Every two- and three-syllable word: varied text, so prompts are not all one or two tokens.
     words = ["".join(p) for n in (2, 3) for p in itertools.product(_SYLLABLES, repeat=n)]
     lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
     # The stand-in's words, often enough that BPE merges each one, each also first on a line (the first word
@@ -74,15 +74,16 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=MIN_VOCAB + 512,
+        vocab_size=VOCAB_SIZE,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
     tokenizer.add_tokens(XTML_TOKENS)
-    if tokenizer.get_vocab_size() < MIN_VOCAB:
-        raise RuntimeError(f"tiny tokenizer has {tokenizer.get_vocab_size()} ids, the mocker needs {MIN_VOCAB}")
+    split = [w for w in (*VOCAB, *(f" {v}" for v in VOCAB), *XTML_TOKENS) if len(tokenizer.encode(w).ids) != 1]
+    if split:
+        raise RuntimeError(f"the tiny tokenizer splits {split[:5]}: the stand-in counts each as one token")
     return tokenizer
 
 
