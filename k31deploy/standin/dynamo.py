@@ -5,14 +5,14 @@ The sandbox's stand-in for a `dynamo.sglang` worker. It checks the flags exactly
 `components/src/dynamo/sglang` does (ai-dynamo 1.6.1: main.py, init_llm.py, register.py, shutdown.py,
 request_handlers/llm/{decode,prefill}_handler.py): it registers the tiny model (ModelInput.Tokens) with the real
 frontend, takes token ids and answers with the token ids of the SGLang stand-in's reply
-(k31deploy.standin.replies: reasoning between Kimi's think markers, the request's tool as a Kimi tool-call
-section), which the frontend detokenises and parses with the worker's `--dyn-reasoning-parser` /
+(k31deploy.standin.replies) in Kimi K3's XTML (reasoning, answer and the request's tool call in their
+channels), which the frontend detokenises and parses with the worker's `--dyn-reasoning-parser` /
 `--dyn-tool-call-parser` (flags or DYN_REASONING_PARSER / DYN_TOOL_CALL_PARSER). The stand-in's timing model
 (K31_STANDIN_TTFT_*, K31_STANDIN_TOKEN_MS) and `--max-running-requests` queue apply as in the SGLang stand-in
 (k31deploy.standin.server.Engine, whose PD bootstrap server the prefill runs too), and SIGTERM is handled as
 upstream handles it: the endpoint leaves discovery, in-flight requests finish, then the process exits.
 
-Needs the Dynamo venv (the `dynamo` package and `tokenizers`); the helpers above `serve` do not.
+Needs the Dynamo venv (the `dynamo` package and `tokenizers`); the helpers above `serve_worker` do not.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from k31deploy.standin import replies
@@ -44,6 +45,7 @@ TURN = re.compile(r"<\|im_start\|>(?P<role>[^\n]*)\n(?P<content>.*?)<\|im_end\|>
 # SGLang's default page of 1 token would make the chat template's shared prefix look cached everywhere, and the
 # KV router would send every request to one worker: 16, a common engine block size.
 KV_BLOCK_SIZE = 16
+MAX_WAITING_THREADS = 1024
 # Upstream's env names for --dyn-reasoning-parser / --dyn-tool-call-parser
 # (dynamo/common/configuration/groups/runtime_args.py).
 PARSER_ENV = {"reasoning": "DYN_REASONING_PARSER", "tool_call": "DYN_TOOL_CALL_PARSER"}
@@ -134,7 +136,7 @@ class KvBlocks:
     def store(self, token_ids: list[int]) -> None:
         parent = None
         for end in range(self.block_size, len(token_ids) + 1, self.block_size):
-            block = block_hash(token_ids[:end])
+            block = block_hash(parent, token_ids[end - self.block_size:end])
             if block in self._held:
                 self._held.move_to_end(block)
             else:
@@ -149,10 +151,10 @@ class KvBlocks:
             self.publisher.publish_removed(evicted)
 
 
-def block_hash(prefix: list[int]) -> int:
-    """A block's id: a signed 64-bit hash of every token up to its end (its whole prefix, as an engine's
-    block hashes chain)."""
-    digest = hashlib.blake2b(array("q", prefix).tobytes(), digest_size=8).digest()
+def block_hash(parent: int | None, tokens: list[int]) -> int:
+    """A block's id, a signed 64-bit hash chained from its parent's, as an engine's block hashes chain: equal
+    ids mean equal prefixes."""
+    digest = hashlib.blake2b(array("q", [parent or 0, *tokens]).tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
@@ -250,6 +252,9 @@ async def serve_worker(argv: list[str], model_dir: str, reasoning: str | None, t
 
     args = parse_args(argv)
     env = os.environ
+    # Request threads only wait (for a slot in the running batch, for the prefill's KV), one per request as in the
+    # SGLang stand-in's threading HTTP server: asyncio's default pool (cores + 4) would cap the batch.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=MAX_WAITING_THREADS))
     namespace = env.get("DYN_NAMESPACE", "dynamo")
     prefill = args.disaggregation_mode == "prefill"
     # upstream runtime_args.py defaults: etcd discovery, TCP request plane, the event plane chosen by the runtime

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from k31deploy.standin import replies
-from k31deploy.standin.dynamo import dynamo_parsers, parser_conflict, reply_pieces, request_reply
+from k31deploy.standin.dynamo import (
+    KvBlocks,
+    block_hash,
+    dynamo_parsers,
+    parser_conflict,
+    reply_pieces,
+    request_reply,
+)
 from k31deploy.standin.replies import BadRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -67,3 +74,32 @@ def test_xtml_attribute_values_are_escaped():
             "tools": [{"type": "function", "function": {"name": 'a"b&c'}}]}
     reply = replies.chat_reply(body, None, None)
     assert 'tool="a&quot;b&amp;c"' in "".join(reply_pieces(reply))
+
+
+class Publisher:
+    """Records what KvBlocks publishes (dynamo.llm.KvEventPublisher's publish_stored / publish_removed)."""
+
+    def __init__(self):
+        self.stored: list[tuple[list[int], int, int | None]] = []
+        self.removed: list[int] = []
+
+    def publish_stored(self, token_ids, num_block_tokens, block_hashes, parent_hash=None):
+        assert num_block_tokens == [len(token_ids)] and len(block_hashes) == 1
+        self.stored.append((token_ids, block_hashes[0], parent_hash))
+
+    def publish_removed(self, block_hashes):
+        self.removed.extend(block_hashes)
+
+
+def test_kv_blocks_publish_each_full_block_once_chained_and_evict_the_oldest():
+    publisher = Publisher()
+    kv = KvBlocks(publisher, block_size=4, capacity=3)
+    kv.store(list(range(10)))     # two full blocks; the last two tokens fill none
+    assert [t for t, _, _ in publisher.stored] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    first, second = publisher.stored[0][1], publisher.stored[1][1]
+    assert publisher.stored[0][2] is None and publisher.stored[1][2] == first
+    kv.store([0, 1, 2, 3, 4, 5, 6, 7, 9, 9, 9, 9])    # a shared prefix: only the new block is published
+    assert len(publisher.stored) == 3 and publisher.stored[2][2] == second and publisher.removed == []
+    kv.store([7, 7, 7, 7])        # a fourth block: the least recently used one leaves
+    assert publisher.removed == [first]
+    assert block_hash(None, [1, 2]) != block_hash(None, [2, 1]) and block_hash(1, [5]) != block_hash(2, [5])
