@@ -201,8 +201,8 @@ def run_smoke(base_url: str, model: str, api_key: str | None = None, timeout: fl
               skip: tuple[str, ...] = (), max_tokens: int = MAX_TOKENS,
               tls: ClientTLS | None = None) -> list[CheckResult]:
     """Every check in order, each against its own request; one failing does not stop the others.
-    `skip` names checks an endpoint cannot pass by design (Dynamo's mocker emits random tokens:
-    no reasoning, no tool calls); they are reported as skipped, never as passed."""
+    `skip` names checks an endpoint cannot pass by design (one serving a model without reasoning or
+    tool calls); they are reported as skipped, never as passed."""
     validate(base_url, model, timeout)
     unknown = sorted(set(skip) - {name for name, _ in CHECKS})
     if unknown:

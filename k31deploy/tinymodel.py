@@ -1,10 +1,12 @@
-"""A tiny, weightless model directory for Dynamo's mocker engine and frontend.
+"""A tiny, weightless model directory for the sandbox's Dynamo workers and the frontend.
 
-`python -m dynamo.mocker --model-path DIR` and the frontend it registers with read only
-``config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` (with a chat template); no
-weights are loaded. No model hub is reachable from the test machines, so the tokenizer is trained
-here, offline, on a generated corpus. The mocker emits token ids around 1000-1999, so the vocabulary
-must hold at least 2048 ids or detokenisation fails: the corpus yields about 2500.
+The Dynamo worker stand-in (k31deploy.standin.dynamo) registers this directory with
+``dynamo.llm.register_model``; the frontend reads only ``config.json``, ``tokenizer.json`` and
+``tokenizer_config.json`` (with a chat template) from it, to render prompts into token ids and
+detokenise the worker's ids; no weights are loaded. No model hub is reachable from the test machines,
+so the tokenizer is trained here, offline, on a generated corpus that holds every word the stand-in
+answers with (k31deploy.standin.replies.VOCAB), so each of its words is one token, as the stand-in's
+timing model counts them, and Kimi K3's XTML markers are single tokens too.
 
 Needs the ``tokenizers`` package (part of the ``dynamo`` wheelhouse set), so run it with the Dynamo
 venv's interpreter: ``PYTHONPATH=<repo> <venv>/bin/python -m k31deploy.tinymodel DIR NAME``.
@@ -19,10 +21,21 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-MIN_VOCAB = 2048
+from k31deploy.standin.replies import VOCAB
+
+# Room for the syllable words' merges and the stand-in's words (build_tokenizer checks that each is one token).
+VOCAB_SIZE = 2560
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
-# ChatML, the template shape the Kimi and Qwen families use.
+# Kimi K3's XTML markers (k31deploy.standin.dynamo.reply_pieces), one token each. Not special tokens: the
+# frontend detokenises without them, and its kimi_k3 parsers must see the markers in the text.
+XTML_TOKENS = ["<|open|>", "<|close|>", "<|sep|>"]
+XTML_TAGS = ("think", "response", "tools", "call", "json")
+# ChatML, the template shape the Kimi and Qwen families use. The request's tools and reasoning_effort are
+# rendered into the prompt as a Kimi template renders them, since the prompt's token ids are all a Dynamo
+# worker receives: the stand-in worker reads them back to answer as the SGLang stand-in does.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% if reasoning_effort %}<|im_start|>reasoning_effort\n{{ reasoning_effort }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -46,9 +59,14 @@ _SYLLABLES = [
 
 
 def _corpus() -> list[str]:
-    # Every two- and three-syllable word: enough distinct pairs for BPE to learn > MIN_VOCAB merges.
+    # Every two- and three-syllable word: varied text, so prompts are not all one or two tokens.
     words = ["".join(p) for n in (2, 3) for p in itertools.product(_SYLLABLES, repeat=n)]
-    return [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    # The stand-in's words, often enough that BPE merges each one, each also first on a line (the first word
+    # of an answer has no leading space).
+    words = (*VOCAB, *XTML_TAGS)
+    rotations = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    return lines + rotations * 20
 
 
 def build_tokenizer() -> Tokenizer:
@@ -56,14 +74,16 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=MIN_VOCAB + 512,
+        vocab_size=VOCAB_SIZE,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
-    if tokenizer.get_vocab_size() < MIN_VOCAB:
-        raise RuntimeError(f"tiny tokenizer has {tokenizer.get_vocab_size()} ids, the mocker needs {MIN_VOCAB}")
+    tokenizer.add_tokens(XTML_TOKENS)
+    split = [w for w in (*VOCAB, *(f" {v}" for v in VOCAB), *XTML_TOKENS) if len(tokenizer.encode(w).ids) != 1]
+    if split:
+        raise RuntimeError(f"the tiny tokenizer splits {split[:5]}: the stand-in counts each as one token")
     return tokenizer
 
 

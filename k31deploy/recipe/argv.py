@@ -129,7 +129,9 @@ class EngineArgv:
             flags.update(cat["amd"]["monokernel"]["flags"])
         flags.update({
             "--reasoning-parser": k("reasoning_parser", cat["parsers"]["reasoning"]),
-            "--tool-call-parser": k("tool_call_parser", cat["parsers"]["tool_call"]),
+            # Behind Dynamo the frontend builds the tool calls from the worker's Dynamo parser (worker_env), and
+            # dynamo.sglang refuses SGLang's --tool-call-parser next to it (args.py _validate_parser_flags).
+            "--tool-call-parser": None if r.router == "dynamo" else k("tool_call_parser", cat["parsers"]["tool_call"]),
             "--enable-metrics": True,
         })
         if r.router != "dynamo":    # its HTTP API is authenticated; the keys are in a 0600 file
@@ -215,6 +217,10 @@ class EngineArgv:
         if r.router == "dynamo":
             dyn = cat["dynamo"]
             env.update(dyn["worker_system_env"])
+            # The frontend parses reasoning and tool calls with the parsers the worker registers (Dynamo's
+            # tokenizer path: SGLang returns token ids, so SGLang's own parsers never see the text).
+            env[dyn["worker_parser_env"]["reasoning"]] = r.knob("reasoning_parser", cat["parsers"]["reasoning"])
+            env[dyn["worker_parser_env"]["tool_call"]] = r.knob("tool_call_parser", cat["parsers"]["tool_call"])
             env[dyn["worker_system_port_env"]] = port
             env[dyn["worker_system_host_env"]] = address    # its status server, on the cluster address
             env.update(self.dynamo_discovery_env(address))

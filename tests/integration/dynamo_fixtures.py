@@ -1,4 +1,4 @@
-"""The real NVIDIA Dynamo frontend and mocker workers on 127.0.0.1, for integration tests.
+"""The real NVIDIA Dynamo frontend and k31's Dynamo worker stand-in on 127.0.0.1, for integration tests.
 
 Dynamo runs from its own venv (``state_dir()/venvs/dynamo``), built offline from the wheelhouse:
 installed into the test venv it registers pytest plugins that silently skip ``test_sglang_*`` files.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,6 +37,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_system_port() -> int:
+    """A free port for DYN_SYSTEM_PORT, which the 1.6.1 runtime reads as an i16 (the kernel's ephemeral
+    ports start at 32768)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with contextlib.suppress(OSError), socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+            return port
+    raise AssertionError("no free port below 32768")
 
 
 def dynamo_venv() -> Path:
@@ -71,11 +84,12 @@ class Processes:
     env: dict[str, str]
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str]) -> Proc:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
             popen = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True
+                argv, stdout=out, stderr=subprocess.STDOUT, env={**self.env, **(env or {})}, cwd=self.workdir,
+                start_new_session=True,
             )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
@@ -134,13 +148,14 @@ def write_model(venv: Path, directory: Path) -> Path:
 
 @dataclass
 class Stack:
-    """One Dynamo namespace: a frontend and its mocker workers."""
+    """One Dynamo namespace: a frontend and its workers."""
 
     procs: Processes
     venv: Path
     model_dir: Path
     namespace: str
     http_port: int = 0
+    system_ports: dict[str, int] = field(default_factory=dict)   # worker name -> its DYN_SYSTEM_PORT
 
     @property
     def url(self) -> str:
@@ -161,20 +176,20 @@ class Stack:
             ),
         )  # fmt: skip
 
-    def start_mocker(self, name: str, mode: str = "agg") -> None:
-        component = "prefill" if mode == "prefill" else "backend"
-        self.procs.start(
-            f"{name}-{self.namespace}",
-            self.python(
-                "dynamo.mocker",
-                "--model-path", str(self.model_dir), "--model-name", MODEL, "--engine-type", "sglang",
-                "--disaggregation-mode", mode, "--endpoint", f"dyn://{self.namespace}.{component}.generate",
-                # block 16 (SGLang's default is 1) keeps the shared chat-template prefix from
-                # counting as KV overlap, so unrelated prompts spread over the workers
-                "--block-size", "16", "--speedup-ratio", "0",
-                "--discovery-backend", "file", "--event-plane", "nats",
-            ),
-        )  # fmt: skip
+    def start_worker(self, name: str, mode: str = "null", env: dict[str, str] | None = None) -> Proc:
+        """`python -m k31deploy.standin.dynamo` with the SGLang flags a dynamo.sglang worker gets and the Dynamo
+        settings by environment, as the plan gives them; `env` adds to them (the stand-in's timing model ...)."""
+        argv = ["--model-path", str(self.model_dir), "--served-model-name", MODEL, "--disaggregation-mode", mode]
+        if mode == "prefill":
+            argv += ["--disaggregation-bootstrap-port", str(free_port())]
+        self.system_ports[name] = free_system_port()
+        dynamo_env = {
+            "PYTHONPATH": str(REPO), "K31_STANDIN_MODEL_DIR": str(self.model_dir), "DYN_NAMESPACE": self.namespace,
+            "DYN_DISCOVERY_BACKEND": "file", "DYN_EVENT_PLANE": "nats", "DYN_SYSTEM_PORT": str(self.system_ports[name]),
+            "DYN_REASONING_PARSER": "kimi_k3", "DYN_TOOL_CALL_PARSER": "kimi_k3",
+        }  # fmt: skip
+        return self.procs.start(f"{name}-{self.namespace}", self.python("k31deploy.standin.dynamo", *argv),
+                                {**dynamo_env, **(env or {})})
 
     def instances(self, component: str) -> set[int]:
         """Worker ids registered for `component`'s generate endpoint, read from the discovery folder."""

@@ -225,7 +225,7 @@ def test_plan_servers_carry_the_verdict_and_a_refusal_or_stale_record_warns(monk
     refused["results"][key] = {"result": "refused", "message": "ValueError: something new"}
     monkeypatch.setattr(lane, "record", lambda build: refused)
     plan = resolve({"platform": "b300", "max_running_requests": 48})
-    assert "unified0: SGLang 0.5.23 refused this command in the engine lane (2026-11-30): ValueError: " \
+    assert f"unified0: SGLang 0.5.23 refused this command in the engine lane ({RECORD['date']}): ValueError: " \
            "something new" in plan["warnings"]
 
 

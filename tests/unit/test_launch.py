@@ -10,7 +10,8 @@ import pytest
 from k31deploy import bundle, launch
 from k31deploy.errors import K31Error
 from k31deploy.recipe import resolve
-from k31deploy.standin.dynamo import mocker_command
+from k31deploy.standin.dynamo import dynamo_parsers, parser_conflict
+from k31deploy.standin.parser import parse_args
 
 MI_PD = {"platform": "mi355x", "agents": 92, "image": "reg/k31:rocm10", "model_path": "/models/kimi"}
 
@@ -85,19 +86,21 @@ def test_host_ranks_endpoint_and_metrics_targets():
     assert targets["k31-router"][0]["targets"] == ["node0:29000"]
 
 
-def test_dynamo_standin_becomes_the_mocker_with_the_plans_mode(monkeypatch):
-    monkeypatch.setenv("ETCD_ENDPOINTS", "http://r:2379")
-    monkeypatch.setenv("NATS_SERVER", "nats://r:4222")
+def test_dynamo_workers_get_dynamos_parsers_and_the_stand_in_takes_their_argv():
     plan = resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 8})
-    prefill = next(s for s in plan["servers"] if s["role"] == "prefill")["ranks"][0]["argv"]
-    cmd = mocker_command(prefill[3:], "/opt/k31/tiny-model")
-    assert cmd[1:3] == ["-m", "dynamo.mocker"]
-    assert cmd[cmd.index("--disaggregation-mode") + 1] == "prefill"
-    assert cmd[cmd.index("--endpoint") + 1] == "dyn://dynamo.prefill.generate"
-    assert cmd[cmd.index("--model-name") + 1] == "moonshotai/Kimi-K3.1-Pro"
-    assert "--discovery-backend" in cmd and "--event-plane" in cmd
+    for server in plan["servers"]:
+        rank = server["ranks"][0]
+        argv, env = rank["argv"], rank["env"]
+        assert argv[:3] == ["python3", "-m", "dynamo.sglang"]
+        # dynamo.sglang exits 1 with both tool-call parsers; the frontend parses with the Dynamo ones
+        assert "--tool-call-parser" not in argv and argv[argv.index("--reasoning-parser") + 1] == "kimi_k3"
+        assert env["DYN_REASONING_PARSER"] == env["DYN_TOOL_CALL_PARSER"] == "kimi_k3"
+        reasoning, tool_call, rest = dynamo_parsers(argv[3:], env)
+        assert (reasoning, tool_call, rest) == ("kimi_k3", "kimi_k3", argv[3:])
+        assert parser_conflict(parse_args(rest).tool_call_parser, tool_call) is None
+        assert parse_args(rest).disaggregation_mode == server["role"]
     with pytest.raises(SystemExit) as info:
-        mocker_command([*prefill[3:], "--not-a-flag"], "/m")
+        parse_args([*argv[3:], "--not-a-flag"])
     assert info.value.code == 2
 
 

@@ -233,7 +233,7 @@ def test_dynamo_and_mooncake_sets_follow_their_runtimes(tmp_path):
     found = check(dyn, hostvars, ["wheelhouse"])
     assert len(found) == 2
     assert found[0].startswith("the Dynamo frontend runs from a venv (k31_dynamo_runtime=venv on node0)")
-    assert found[1].startswith("the Dynamo workers run dynamo.mocker from a venv (k31_engine_runtime=standin on ")
+    assert found[1].startswith("the Dynamo worker stand-in runs from a venv (k31_engine_runtime=standin on ")
     assert "--set dynamo" in found[1]
     l3 = resolve({"platform": "b300", "topology": "pd", "router": "sglang", "router_dialect": "launch_router",
                   "kv_offload": "mooncake", "max_running_requests": 64, "image": "reg/k31:cuda"})

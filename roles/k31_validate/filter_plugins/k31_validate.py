@@ -276,7 +276,7 @@ def wheel_needs(plan: dict[str, Any], groups: dict[str, list[str]],
         for name in (h for g in ENGINE_GROUPS for h in groups.get(g, [])):
             if name in hosts and hosts[name].text("k31_engine_runtime") == "standin":
                 yield ("dynamo", "dynamo-workers", hosts[name].text("k31_engine_wheelhouse"),
-                       f"the Dynamo workers run dynamo.mocker from a venv (k31_engine_runtime=standin on {name})")
+                       f"the Dynamo worker stand-in runs from a venv (k31_engine_runtime=standin on {name})")
     master = plan.get("mooncake_master")
     if master and master["host"] in hosts:
         host = hosts[master["host"]]
