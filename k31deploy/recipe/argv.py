@@ -221,6 +221,10 @@ class EngineArgv:
             # tokenizer path: SGLang returns token ids, so SGLang's own parsers never see the text).
             env[dyn["worker_parser_env"]["reasoning"]] = r.knob("reasoning_parser", cat["parsers"]["reasoning"])
             env[dyn["worker_parser_env"]["tool_call"]] = r.knob("tool_call_parser", cat["parsers"]["tool_call"])
+            r.warn("behind Dynamo the seed's --tool-call-parser goes to the workers as DYN_TOOL_CALL_PARSER (and the "
+                   "reasoning parser also as DYN_REASONING_PARSER): the frontend parses with the parsers the worker "
+                   "registers, and dynamo.sglang refuses SGLang's --tool-call-parser next to them (ai-dynamo 1.6.1 "
+                   "components/src/dynamo/sglang/args.py)")
             env[dyn["worker_system_port_env"]] = port
             env[dyn["worker_system_host_env"]] = address    # its status server, on the cluster address
             env.update(self.dynamo_discovery_env(address))
