@@ -1,0 +1,117 @@
+"""Rolling redeploy behind the real Dynamo frontend under streaming load (sandbox shape gb300-2p2d: two 2-tray
+prefill servers and two 2-tray decode servers, stand-in workers with the timing model, etcd and NATS).
+
+A Dynamo worker drains itself: on SIGTERM it leaves discovery, finishes its in-flight requests and exits
+(dynamo.sglang's graceful shutdown), so `k31 redeploy` stops rank 0 first and waits for it. Asserted: every
+request of the load completes (none refused or truncated), both ranks of each two-tray server restart in the
+same step with the gate on rank 0, and the seed's PD rule (the prefills restart after the decodes).
+
+Needs root, podman, runc, debootstrap and the Dynamo wheels (built into .k31/wheelhouse when missing).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from k31deploy import wheelhouse
+from k31deploy.loadgen import LoadGen
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = f"dynredeploy-{os.getpid()}"
+SHAPE = "gb300-2p2d"
+MODEL = "moonshotai/Kimi-K3.1-Pro"
+PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+SERVERS = ("decode0", "decode1", "prefill0", "prefill1")
+# The stand-ins' timing model (group_vars, so deploy and redeploy render the same): 160 tokens stream ~4 s.
+TIMING = {"k31_engine_standin_ttft_base_ms": 300, "k31_engine_standin_ttft_per_1k_prompt_tokens_ms": 200,
+          "k31_engine_standin_token_ms": 25}
+
+
+def k31(env, *args, timeout=900):
+    proc = subprocess.run([sys.executable, "-m", "k31deploy.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+    print(f"$ k31 {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def started(host, server, rank):
+    """When systemd last started the rank's main process (us on the monotonic clock the containers share)."""
+    unit = f"k31-{server}-r{rank}"
+    out = subprocess.run(["podman", "exec", f"k31-{NAME}-{host}", "systemctl", "show", "-p",
+                          "ExecMainStartTimestampMonotonic,NRestarts", "--value", unit],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    env = {**os.environ, "K31_STATE_DIR": str(state), "PYTHONPATH": str(REPO),
+           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "cp"),
+           "ANSIBLE_DEPRECATION_WARNINGS": "False"}
+    wheelhouse.build("dynamo", REPO / ".k31" / "wheelhouse", wheelhouse.host_arch())
+    t0 = time.monotonic()
+    proc = k31(env, "sandbox", "up", "--shape", SHAPE, "--name", NAME)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        inventory = Path(proc.stdout.strip().splitlines()[-1])
+        (inventory.parent / "group_vars").mkdir()
+        (inventory.parent / "group_vars" / "all.yml").write_text(yaml.safe_dump(TIMING))
+        proc = subprocess.run([str(PLAYBOOK), "-i", str(inventory), str(REPO / "deploy.yml")], env=env,
+                              capture_output=True, text=True, timeout=1200, cwd=REPO, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        print(f"sandbox {NAME} deployed in {time.monotonic() - t0:.0f} s")
+        yield env, inventory
+    finally:
+        k31(env, "sandbox", "down", "--name", NAME)
+
+
+def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_request(cluster):
+    env, inventory = cluster
+    hosts = yaml.safe_load(inventory.read_text())["all"]["children"]
+    address = {h: v["ansible_host"] for g in hosts.values() for h, v in (g or {}).get("hosts", {}).items()}
+    client = inventory.parent / "client"
+    load = LoadGen(f"https://{address['router0']}:8000", sessions=6, turns=4, max_requests=3000, deadline=900,
+                   max_tokens=160, timeout=120, model=MODEL, verify=str(client / "ca.crt"),
+                   cert=(str(client / "client.crt"), str(client / "client.key")))
+    before = {(s, r): started(f"{s}-t{r}", s, r) for s in SERVERS for r in (0, 1)}
+    with load:
+        time.sleep(6)
+        began = load.report().elapsed
+        t0 = time.monotonic()
+        proc = k31(env, "redeploy", "-i", str(inventory))
+        took = time.monotonic() - t0
+        ended = load.report().elapsed
+        time.sleep(5)
+    report = load.report()
+    during = len([r for r in report.records if began <= r.start <= ended])
+    print(f"redeploy of every server behind Dynamo took {took:.1f} s under load: {report.summary()}; "
+          f"{during} requests started during the redeploy; not complete: "
+          f"{[(round(r.start, 1), r.outcome, r.detail[:100]) for r in report.failures()]}")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "each worker drains itself" in proc.stdout
+    assert report.failures() == [], [(r.outcome, r.detail) for r in report.failures()[:5]]
+    assert during >= 30 and max(r.start for r in report.records) > ended
+    after = {(s, r): started(f"{s}-t{r}", s, r) for s in SERVERS for r in (0, 1)}
+    for server in SERVERS:
+        (r0, n0), (r1, n1) = after[(server, 0)], after[(server, 1)]
+        # both ranks restarted by the redeploy (no crash restarts), in the same step: seconds apart
+        assert r0 > before[(server, 0)][0] and r1 > before[(server, 1)][0], server
+        assert (n0, n1) == (before[(server, 0)][1], before[(server, 1)][1]), server
+        assert abs(r0 - r1) < 15_000_000, (server, r0, r1)
+    # The step's gate is rank 0's health, on rank 0's host only.
+    for server in SERVERS:
+        assert f"{server}-t0 | Wait for rank 0 to answer /health (model load) | ok" in proc.stdout, server
+        assert f"{server}-t1 | Wait for rank 0 to answer /health (model load) | skipped" in proc.stdout, server
+    # Canary decode first, then the other, then the prefills (the seed's rule: after the decodes).
+    order = sorted(SERVERS, key=lambda s: after[(s, 0)][0])
+    assert order[:2] == ["decode0", "decode1"] and set(order[2:]) == {"prefill0", "prefill1"}, order
