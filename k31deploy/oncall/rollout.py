@@ -55,7 +55,7 @@ def expand_targets(plan: dict[str, Any], targets: list[str] | None) -> list[str]
     return [name for name in servers if name in wanted]
 
 
-def _step(server: dict[str, Any], reason: str) -> dict[str, Any]:
+def server_step(server: dict[str, Any], reason: str) -> dict[str, Any]:
     rank0 = server["ranks"][0]
     return {
         "name": server["name"], "role": server["role"], "reason": reason,
@@ -94,10 +94,10 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
     named = expand_targets(plan, targets)
     decodes = [n for n in named if by_name[n]["role"] == "decode"]
     followers = [p for p in paired_prefills(plan) if p not in named] if decodes else []
-    steps = [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "decode"]
-    steps += [_step(s, "target" if s["name"] in named else "pd-rule")
+    steps = [server_step(by_name[n], "target") for n in named if by_name[n]["role"] == "decode"]
+    steps += [server_step(s, "target" if s["name"] in named else "pd-rule")
               for s in plan["servers"] if s["role"] == "prefill" and (s["name"] in named or s["name"] in followers)]
-    steps += [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "unified"]
+    steps += [server_step(by_name[n], "target") for n in named if by_name[n]["role"] == "unified"]
 
     router = plan.get("router") or None
     drain = bool(router) and router["kind"] == "sglang"
