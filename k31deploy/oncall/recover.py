@@ -217,10 +217,11 @@ def holds(answers: dict[str, dict[str, Any]], now: float) -> dict[str, dict[str,
 
 
 def stale_prefills(states: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
-    """{prefill: [decodes it predates]}: running prefills whose oldest rank started before a healthy or loading
-    decode last started (the PD rule; the router pairs every prefill with every decode)."""
+    """{prefill: [decodes it predates]}: running prefills whose oldest rank started before a healthy decode
+    last started (the PD rule; the router pairs every prefill with every decode). A decode still loading
+    counts once it is healthy: the rule restarts prefills after the decode is back, not before."""
     decodes = {n: s["last_start"] for n, s in states.items()
-               if s["role"] == "decode" and s["state"] in ("healthy", "loading") and s["last_start"] is not None}
+               if s["role"] == "decode" and s["state"] == "healthy" and s["last_start"] is not None}
     out: dict[str, list[str]] = {}
     for name, s in states.items():
         if s["role"] != "prefill" or s["state"] not in ("healthy", "loading") or s["first_start"] is None:
@@ -232,30 +233,33 @@ def stale_prefills(states: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
 
 
 def decide(plan: dict[str, Any], answers: dict[str, dict[str, Any]], now: float | None = None,
-           health_timeout: float = 3600.0) -> dict[str, Any]:
+           health_timeout: float = 3600.0, skip: list[str] | tuple = ()) -> dict[str, Any]:
     """What a repair does now, in order:
 
     start    servers whose ranks are all stopped cleanly (a redeploy stopped them and was interrupted);
-    wait     servers loading (or just started): the PD decisions wait for their health gate;
-    restart  stale prefills (drained, one at a time), only once nothing is left to start or wait for;
-    readd    healthy servers the router does not list: prefills and unified servers, then decodes that no
-             running prefill predates once `restart` is done;
+    wait     servers loading (or just started) -- after these two the repair looks again and takes the rest
+             from that second look, when the started and loaded servers have their start times and health;
+    restart  stale prefills (drained, one at a time);
+    readd    healthy servers the router does not list: prefills and unified servers, then decodes, which
+             no running prefill predates once `restart` is done;
     release  hosts whose k31-pd-follow hold file is still there (live or expired);
     left     servers the repair cannot bring back, with why (broken, unreachable, router unreadable).
+
+    `skip`: servers a redeploy is about to roll anyway (it starts and gates them itself: a target stuck
+    loading must not hold up the redeploy that fixes it).
     """
     now = time.time() if now is None else now
     states = server_states(plan, answers, health_timeout)
     router = plan.get("router")
     drain = bool(router) and router["kind"] == "sglang"
-    start = [n for n, s in states.items() if s["state"] == "stopped"]
-    wait = [n for n, s in states.items() if s["state"] == "loading"]
-    pending = bool(start or wait)
-    stale = {} if pending else stale_prefills(states)
+    start = [n for n, s in states.items() if s["state"] == "stopped" and n not in skip]
+    wait = [n for n, s in states.items() if s["state"] == "loading" and n not in skip]
+    stale = stale_prefills(states)
     left: list[dict[str, str]] = []
     readd: list[str] = []
     if drain and states and all(s["in_router"] is None for s in states.values()):
         left.append({"server": "router", "why": "the router's worker list could not be read"})
-    elif drain and not pending:
+    elif drain:
         order = [n for n, s in states.items() if s["role"] != "decode"] + \
                 [n for n, s in states.items() if s["role"] == "decode"]
         for name in order:
@@ -264,7 +268,7 @@ def decide(plan: dict[str, Any], answers: dict[str, dict[str, Any]], now: float 
                 continue
             readd.append(name)
     for name, s in states.items():
-        if s["state"] in ("broken", "unknown"):
+        if s["state"] in ("broken", "unknown") and name not in skip:
             left.append({"server": name, "why": s["why"]})
     held = holds(answers, now)
     release = sorted(held)

@@ -3,8 +3,8 @@
 # take writes K31_LOCK_NEW only if the lock still reads K31_LOCK_EXPECT (what the controller judged free or
 # stale); renew and release act only on a lock whose record carries this run's K31_LOCK_ID.
 set -eu
-lock=/run/k31/redeploy.lock
-mkdir -p /run/k31
+lock=${K31_LOCK_FILE:-/run/k31/redeploy.lock}
+mkdir -p "$(dirname "$lock")"
 exec 9>"$lock.flock"
 flock -w 10 9
 current=$(cat "$lock" 2>/dev/null || true)

@@ -76,9 +76,10 @@ def k31_redeploy_recover_answers(results: list[dict[str, Any]]) -> dict[str, dic
     return out
 
 
-def k31_redeploy_recovery(plan: dict[str, Any], answers: dict[str, Any], health_timeout: Any = 3600) -> dict[str, Any]:
-    """What the repair does now (k31deploy.oncall.recover.decide)."""
-    return recover.decide(plan, answers, health_timeout=float(health_timeout))
+def k31_redeploy_recovery(plan: dict[str, Any], answers: dict[str, Any], health_timeout: Any = 3600,
+                          skip: Any = None) -> dict[str, Any]:
+    """What the repair does now (k31deploy.oncall.recover.decide); `skip`: a redeploy's own targets."""
+    return recover.decide(plan, answers, health_timeout=float(health_timeout), skip=list(skip or []))
 
 
 class FilterModule:
