@@ -61,8 +61,17 @@ def k31_redeploy_lock_verdict(text: Any, host: str, owner: dict[str, Any] | None
     return recover.lock_verdict(str(text or ""), host, me)
 
 
-def k31_redeploy_recover_answers(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The probe's loop results (item: host) -> {host: its JSON | {'unreachable' | 'failed': why}}."""
+def k31_redeploy_recover_answers(results: list[Any], hostvars: Any = None, var: str = "") -> dict[str, dict[str, Any]]:
+    """The probe's results -> {host: its JSON | {'unreachable' | 'failed': why}}: a loop's results (item: host),
+    or, with `hostvars`, the hosts named in `results` and what each registered as `var` (observe_host.yml)."""
+    if hostvars is not None:
+        found = []
+        for host in results:
+            try:
+                found.append({**dict(hostvars[host][var]), "item": host})
+            except (KeyError, TypeError):
+                found.append({"item": host, "unreachable": True, "msg": "not probed (left out of the run)"})
+        results = found
     out: dict[str, dict[str, Any]] = {}
     for res in results:
         host = res.get("item")
