@@ -406,3 +406,41 @@ def test_a_finished_or_failed_redeploy_runs_no_repair(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "run", run)
     monkeypatch.setattr(ops, "playbook_for", lambda command, root: tmp_path / f"{command}.yml")
     assert ops.cmd_run(redeploy_args(tmp_path)) == 2 and runs == ["redeploy"]
+
+
+# -- the role's filters -----------------------------------------------------------------------------------
+
+def role_filters():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "roles/k31_redeploy/filter_plugins/k31_redeploy.py"
+    spec = importlib.util.spec_from_file_location("k31_redeploy_filters", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FilterModule().filters()
+
+
+def test_the_probe_answers_reach_the_decision_from_a_loop_or_from_each_hosts_own_fact():
+    f = role_filters()
+    answers = interrupted()
+    registered = {h: {"stdout": json.dumps(a), "rc": 0} for h, a in answers.items()}
+    registered["d0"] = {"unreachable": True, "msg": "ssh: no route"}
+    hostvars = {h: {"_k31_redeploy_rec_probe": r} for h, r in registered.items() if h != "p1"}
+    from_facts = f["k31_redeploy_recover_answers"](list(answers), hostvars, "_k31_redeploy_rec_probe")
+    from_loop = f["k31_redeploy_recover_answers"]([{**r, "item": h} for h, r in registered.items()])
+    assert from_facts["d0"] == from_loop["d0"] == {"unreachable": "ssh: no route"}
+    assert from_facts["p1"] == {"unreachable": "not probed (left out of the run)"}
+    assert from_facts["r0"] == from_loop["r0"] == answers["r0"]
+    # An unreachable decode is reported, and holds up nothing it cannot see.
+    todo = f["k31_redeploy_recovery"](plan(), from_loop, 3600, ["d1"])
+    assert todo["restart"] == ["p0", "p1"] and todo["readd"] == ["d1"]
+    assert todo["left"] == [{"server": "d0", "why": "a host of it is unreachable"}]
+
+
+def test_the_repair_spec_probes_every_plan_host_with_k31_status_own_probe():
+    spec = role_filters()["k31_redeploy_recover_spec"](plan())
+    assert spec["lock_host"] == "r0" and spec["hosts"] == ["p0", "p1", "d0", "d1", "r0"]
+    assert spec["probe"] == str(gather.PROBE) and spec["prefill_hosts"] == ["p0", "p1"]
+    arg = json.loads(spec["probe_args"]["r0"])
+    assert arg["mode"] == "status" and arg["hosts"]["r0"]["lock"] is True
+    assert spec["steps"]["d1"]["worker_url"] == URL["d1"]
