@@ -90,7 +90,9 @@ def repair(args: argparse.Namespace, plan: dict, inventories: list[str]) -> int:
         raise K31Error(f"k31 status --repair refused: {verdict['message']}")
     todo = recover.decide(plan, answers)
     say = sys.stderr if args.json else sys.stdout
-    if todo["nothing"]:
+    if verdict["state"] == "stale":    # the playbook takes it over and releases it
+        todo["summary"].append(f"clear the stale redeploy lock ({verdict['message']})")
+    if todo["nothing"] and verdict["state"] != "stale":
         doc = gather.build_status(plan, answers)
         print(json.dumps(doc, indent=2) if args.json else gather.render(doc))
         print("repair: " + "; ".join(todo["summary"]), file=say)

@@ -336,6 +336,12 @@ def test_repair_with_nothing_to_do_runs_no_playbook_and_says_so(cli, tmp_path, c
     assert "repair: nothing to repair" in out and cli["runs"] == []
 
 
+def test_a_stale_lock_alone_is_cleared_by_the_playbook(cli, tmp_path, capsys):
+    cli["answers"] = [fleet(lock=recover.lock_text(owner(started=1000.0, expires=2000.0)))]
+    status_cmd.cmd_status(status_args(tmp_path, "--repair"))
+    assert len(cli["runs"]) == 1 and "repair: clear the stale redeploy lock" in capsys.readouterr().out
+
+
 def test_repair_refuses_in_one_line_while_a_redeploy_runs(cli, tmp_path):
     cli["answers"][0]["r0"]["redeploy_lock"] = recover.lock_text(owner(controller="laptop"))
     with pytest.raises(K31Error) as err:
