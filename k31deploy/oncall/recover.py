@@ -312,7 +312,10 @@ def problems(plan: dict[str, Any], answers: dict[str, dict[str, Any]], verdict: 
     for name, s in states.items():
         if s["state"] == "healthy" and s["in_router"] is False:
             out.append(f"{name}: healthy but out of the router ({fix})")
-    for host, hold in holds(answers, now).items():
+    held = holds(answers, now)
+    order = [r["host"] for srv in plan["servers"] for r in srv["ranks"]]
+    for host in sorted(held, key=lambda h: order.index(h) if h in order else len(order)):
+        hold = held[host]
         if hold["live"]:
             out.append(f"{host}: k31-pd-follow held until {utc(hold['until'])} ("
                        + ("by the running redeploy)" if running else

@@ -266,6 +266,13 @@ def test_status_names_a_drained_healthy_server_and_held_watchers_as_problems():
     assert doc["redeploy"]["lock"] == "free"
 
 
+def test_held_watchers_are_listed_in_plan_order_whatever_order_the_hosts_answered_in():
+    answers = interrupted()
+    answers = {h: answers[h] for h in ("r0", "p1", "d1", "p0", "d0")}
+    held = [p.split(":")[0] for p in gather.build_status(plan(), answers)["problems"] if "held until" in p]
+    assert held == ["p0", "p1"]
+
+
 def test_status_during_a_running_redeploy_says_so():
     answers = interrupted()
     answers["r0"]["redeploy_lock"] = recover.lock_text(owner(controller="laptop"))
