@@ -262,9 +262,15 @@ def decide(plan: dict[str, Any], answers: dict[str, dict[str, Any]], now: float 
     elif drain:
         order = [n for n, s in states.items() if s["role"] != "decode"] + \
                 [n for n, s in states.items() if s["role"] == "decode"]
+        # A prefill nobody could look at may still run on a decode's old mapping: no decode goes back meanwhile.
+        unseen = [n for n, s in states.items() if s["role"] == "prefill" and s["state"] == "unknown"]
         for name in order:
             s = states[name]
             if s["in_router"] is not False or s["state"] != "healthy" or name in stale:
+                continue
+            if s["role"] == "decode" and unseen:
+                left.append({"server": name, "why": f"kept out of the router: prefill {', '.join(unseen)} could "
+                                                    "not be checked for the decode's old mapping"})
                 continue
             readd.append(name)
     for name, s in states.items():

@@ -134,6 +134,15 @@ def test_broken_and_unreachable_servers_are_left_and_said_so():
         "d1": "a host of it is unreachable"}
 
 
+def test_no_decode_goes_back_while_a_prefill_cannot_be_checked():
+    answers = interrupted()
+    answers["p1"] = {"unreachable": "no route to host"}
+    todo = recover.decide(plan(), answers, now=NOW)
+    assert todo["restart"] == ["p0"] and todo["readd"] == []
+    assert {"server": "d1", "why": "kept out of the router: prefill p1 could not be checked for the decode's old "
+                                   "mapping"} in todo["left"]
+
+
 def test_an_unreadable_router_is_never_guessed_at():
     answers = interrupted()
     del answers["r0"]["units"]["k31-router"]["workers"]
