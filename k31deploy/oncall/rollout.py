@@ -55,7 +55,7 @@ def expand_targets(plan: dict[str, Any], targets: list[str] | None) -> list[str]
     return [name for name in servers if name in wanted]
 
 
-def server_step(server: dict[str, Any], reason: str) -> dict[str, Any]:
+def _step(server: dict[str, Any], reason: str) -> dict[str, Any]:
     rank0 = server["ranks"][0]
     return {
         "name": server["name"], "role": server["role"], "reason": reason,
@@ -67,6 +67,10 @@ def server_step(server: dict[str, Any], reason: str) -> dict[str, Any]:
         "health_url": http(rank0["address"], server["port"], "/health"),    # where the engine binds
         "load_url": http(rank0["address"], server["port"], "/get_load"),
     }
+
+
+# The repair (k31deploy.oncall.recover, roles/k31_redeploy) drains, restarts and re-adds with the same fields.
+server_step = _step
 
 
 def _chunks(steps: list[dict[str, Any]], batch: int) -> list[list[dict[str, Any]]]:
@@ -94,10 +98,10 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
     named = expand_targets(plan, targets)
     decodes = [n for n in named if by_name[n]["role"] == "decode"]
     followers = [p for p in paired_prefills(plan) if p not in named] if decodes else []
-    steps = [server_step(by_name[n], "target") for n in named if by_name[n]["role"] == "decode"]
-    steps += [server_step(s, "target" if s["name"] in named else "pd-rule")
+    steps = [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "decode"]
+    steps += [_step(s, "target" if s["name"] in named else "pd-rule")
               for s in plan["servers"] if s["role"] == "prefill" and (s["name"] in named or s["name"] in followers)]
-    steps += [server_step(by_name[n], "target") for n in named if by_name[n]["role"] == "unified"]
+    steps += [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "unified"]
 
     router = plan.get("router") or None
     drain = bool(router) and router["kind"] == "sglang"
