@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import shlex
 import sys
+from typing import TextIO
 
 from k31deploy.errors import K31Error
-from k31deploy.runner import RunRequest, make_view, playbook_for, repo_root, run
-from k31deploy.runner.driver import inventory_paths
+from k31deploy.runner import RunOutcome, RunRequest, make_view, playbook_for, repo_root, run
+from k31deploy.runner.driver import EXIT_CANCELLED, inventory_paths
 
 HELP = {
     "deploy": "deploy the inventory's serving stack (deploy.yml)",
@@ -98,4 +100,48 @@ def cmd_run(args: argparse.Namespace) -> int:
         k31_vars=k31_vars(args), forks=args.forks, verbosity=args.verbose,
         vault_password_files=args.vault_password_file, vault_password=password,
     )
-    return run(request, make_view(args.json)).exit_code
+    outcome = run(request, make_view(args.json))
+    if args.k31_command == "redeploy" and outcome.exit_code == EXIT_CANCELLED and not args.check:
+        after_interrupted_redeploy(args, inventories, password)
+    return outcome.exit_code
+
+
+def repair_command(args: argparse.Namespace) -> str:
+    """The command that repairs what an interrupted redeploy left, as the operator would type it."""
+    words = ["k31", "status", "--repair"]
+    for inv in args.inventory:
+        words += ["-i", inv]
+    for value in args.extra_vars:
+        words += ["-e", value]
+    for path in args.vault_password_file:
+        words += ["--vault-password-file", path]
+    if args.ask_vault_pass:
+        words.append("--ask-vault-pass")
+    return shlex.join(words)
+
+
+def run_repair(inventories: list[str], extra_vars: list[str], vault_password_files: list[str],
+               vault_password: str | None, json_mode: bool, out: TextIO | None = None) -> RunOutcome:
+    """playbooks/repair.yml: what an interrupted redeploy left, brought back (k31deploy.oncall.recover)."""
+    request = RunRequest(command="repair", playbook=playbook_for("repair", repo_root()), inventories=inventories,
+                         extra_vars=extra_vars, vault_password_files=vault_password_files,
+                         vault_password=vault_password)
+    return run(request, make_view(json_mode, out))
+
+
+def after_interrupted_redeploy(args: argparse.Namespace, inventories: list[str], password: str | None) -> None:
+    """Ctrl-C stopped the rollout: servers may be drained and watchers held. Repair at once (the rollout's
+    process is gone, so its lock is stale), or say exactly what to run when this is interrupted too."""
+    command = repair_command(args)
+    print(f"k31 redeploy: interrupted; bringing back what it left ({command}); Ctrl-C again to skip",
+          file=sys.stderr)
+    try:
+        outcome = run_repair(inventories, args.extra_vars, args.vault_password_file, password, args.json)
+    except KeyboardInterrupt:
+        outcome = None
+    if outcome is None or outcome.exit_code != 0:
+        print(f"k31 redeploy: the repair did not finish; servers may be out of the router and k31-pd-follow "
+              f"held: run {command}", file=sys.stderr)
+    else:
+        print("k31 redeploy: repaired: every healthy server is back in the router and no watcher is held; "
+              "the rollout itself did not finish (run k31 redeploy again)", file=sys.stderr)

@@ -1,9 +1,11 @@
-"""`k31 status -i INV [--json]`, `k31 alerts -i INV [--json]` and `k31 logs -i INV [SERVER]`: what runs where
-and what fires, read over SSH in one parallel Ansible ad-hoc run (k31deploy.oncall.gather)."""
+"""`k31 status -i INV [--json] [--repair]`, `k31 alerts -i INV [--json]` and `k31 logs -i INV [SERVER]`: what
+runs where and what fires, read over SSH in one parallel Ansible ad-hoc run (k31deploy.oncall.gather);
+--repair brings back what an interrupted redeploy left (k31deploy.oncall.recover, playbooks/repair.yml)."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import sys
 from datetime import datetime
@@ -12,7 +14,7 @@ from pathlib import Path
 from k31deploy.commands.ops import positive_int
 from k31deploy.commands.recipe import add_plan_args, plan_from_args
 from k31deploy.errors import K31Error
-from k31deploy.oncall import gather
+from k31deploy.oncall import gather, recover
 from k31deploy.paths import state_dir
 
 
@@ -34,6 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-become", dest="become", action="store_false",
                    help="do not become root on the hosts (journal and container reads may then fail)")
+    p.add_argument("--repair", action="store_true",
+                   help="bring back what an interrupted redeploy left: re-add healthy servers missing from the "
+                        "router (decodes once their prefills restarted, drained, as the PD rule wants) and release "
+                        "held k31-pd-follow watchers; refused while a redeploy is running")
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
+                   help="with --repair: extra vars for its playbook (e.g. @secrets.yml with the router's keys)")
+    p.add_argument("--vault-password-file", action="append", default=[], metavar="FILE",
+                   help="with --repair: file (or executable) giving the vault password; repeatable")
+    p.add_argument("--ask-vault-pass", action="store_true", help="with --repair: prompt for the vault password")
     p.set_defaults(func=cmd_status, command="status")
 
     p = sub.add_parser("alerts", help="the alerts Alertmanager holds: firing, silenced or inhibited",
@@ -59,9 +70,42 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     inventories = _inventories(args)
-    doc = gather.status(plan_from_args(args), inventories, become=args.become)
+    plan = plan_from_args(args)
+    if args.repair:
+        return repair(args, plan, inventories)
+    doc = gather.status(plan, inventories, become=args.become)
     print(json.dumps(doc, indent=2) if args.json else gather.render(doc))
     return 1 if doc["problems"] else 0
+
+
+def repair(args: argparse.Namespace, plan: dict, inventories: list[str]) -> int:
+    """Look first (one probe): refuse while a redeploy runs, change nothing when there is nothing to do; else run
+    playbooks/repair.yml, which takes the lock and decides again, and show the status it leaves."""
+    from k31deploy.commands.ops import run_repair
+
+    answers = gather.collect(plan, inventories, become=args.become)
+    host = recover.lock_host(plan)
+    verdict = recover.lock_verdict(answers.get(host, {}).get("redeploy_lock"), host)
+    if verdict["state"] == "live":
+        raise K31Error(f"k31 status --repair refused: {verdict['message']}")
+    todo = recover.decide(plan, answers)
+    say = sys.stderr if args.json else sys.stdout
+    if verdict["state"] == "stale":    # the playbook takes it over and releases it
+        todo["summary"].append(f"clear the stale redeploy lock ({verdict['message']})")
+    if todo["nothing"] and verdict["state"] != "stale":
+        doc = gather.build_status(plan, answers)
+        print(json.dumps(doc, indent=2) if args.json else gather.render(doc))
+        print("repair: " + "; ".join(todo["summary"]), file=say)
+        return 1 if doc["problems"] else 0
+    for line in todo["summary"]:
+        print(f"repair: {line}", file=say)
+    password = getpass.getpass("Vault password: ") if args.ask_vault_pass else None
+    outcome = run_repair(inventories, args.extra_vars, args.vault_password_file, password, json_mode=False, out=say)
+    doc = gather.status(plan, inventories, become=args.become)
+    print(json.dumps(doc, indent=2) if args.json else gather.render(doc))
+    print(f"repair: {'done' if outcome.exit_code == 0 else 'incomplete (rc ' + str(outcome.exit_code) + ')'}; "
+          f"run record {outcome.run_dir}", file=say)
+    return 1 if doc["problems"] or outcome.exit_code else 0
 
 
 def cmd_alerts(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 from k31deploy import address
 from k31deploy.errors import K31Error
 from k31deploy.monitoring.config import api_url
+from k31deploy.oncall import recover
 from k31deploy.oncall.rollout import http, router_url, worker_url
 
 PROBE = Path(__file__).with_name("probe.py")
@@ -60,6 +61,7 @@ def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
     where = alerts_spec(plan)
     if where:
         specs[plan["monitoring"]["host"]]["alerts"] = where
+    specs[recover.lock_host(plan)]["lock"] = True
     return specs
 
 
@@ -157,9 +159,14 @@ def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> di
                 problems.append(f"{row['unit']} on {row['host']}: {row.get('active')}/{row.get('sub', '-')}")
         if ranks[0]["reachable"] and doc["health"] != 200:
             problems.append(f"{server['name']}: rank 0 /health answers {doc['health']}")
-        if doc["in_router"] is False:
+        if doc["in_router"] is False and not (ranks[0].get("health") == 200
+                                              and all(r.get("active") == "active" for r in ranks)):
             problems.append(f"{server['name']}: not in the router's healthy workers")
         servers.append(doc)
+    # What an interrupted redeploy leaves: healthy servers out of the router, held watchers (and the lock).
+    lock_answer = answers.get(recover.lock_host(plan), {})
+    verdict = recover.lock_verdict(lock_answer.get("redeploy_lock"), recover.lock_host(plan))
+    problems += recover.problems(plan, answers, verdict)
     alert_list, alert_error = _alerts(plan, answers)
     if alert_error:
         problems.append(f"alerts unknown: {alert_error}")
@@ -187,6 +194,9 @@ def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> di
     return {"model": plan["model"], "topology": plan["topology"],
             "generated": datetime.now().isoformat(timespec="seconds"),
             "servers": servers, "router": router_doc, "processes": processes, "alerts": alert_list,
+            "redeploy": {"lock": verdict["state"] if "redeploy_lock" in lock_answer else "unknown",
+                         "message": verdict["message"],
+                         "holds": recover.holds(answers, datetime.now().timestamp())},
             "hosts": {h: ("ok" if "units" in a else "unreachable" if "unreachable" in a else "probe failed")
                       for h, a in answers.items()},
             "problems": problems}
@@ -259,6 +269,9 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("alerts held back: " + ", ".join(
             f"{a['alert']}{' ' + a['server'] if a['server'] else ''} "
             f"({'silenced' if a['silenced_by'] else 'inhibited'})" for a in held))
+    redeploy = doc.get("redeploy") or {}
+    if redeploy.get("lock") in ("live", "stale"):
+        lines.append(f"redeploy lock: {redeploy['lock']}: {redeploy['message']}")
     lines += [f"problem: {p}" for p in doc["problems"]] or ["no problems found"]
     return "\n".join(lines)
 
@@ -292,10 +305,16 @@ def render_alerts(doc: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
+def collect(plan: dict[str, Any], inventory: list[str], become: bool = True,
+            runner: Runner = ansible_probe) -> dict[str, dict[str, Any]]:
+    """Every plan host's probe answer (what build_status and recover.decide read)."""
+    spec = {"mode": "status", "common": {}, "hosts": host_specs(plan)}
+    return runner(inventory, probe_source(spec), plan_hosts(plan), become)
+
+
 def status(plan: dict[str, Any], inventory: list[str], become: bool = True,
            runner: Runner = ansible_probe) -> dict[str, Any]:
-    spec = {"mode": "status", "common": {}, "hosts": host_specs(plan)}
-    return build_status(plan, runner(inventory, probe_source(spec), plan_hosts(plan), become))
+    return build_status(plan, collect(plan, inventory, become, runner))
 
 
 def log_units(plan: dict[str, Any], server: str | None) -> dict[str, list[str]] | None:

@@ -20,6 +20,9 @@ PROPS = ("LoadState", "ActiveState", "SubState", "ExecMainStartTimestamp", "Exec
 # k31 processes without a launch script of their own (Dynamo's discovery, the PD restart-rule watcher).
 EXTRA_UNITS = ("k31-etcd", "k31-nats", "k31-pd-follow")
 FOLLOW_STATE = "/run/k31/pd-follow.state.json"
+# What a redeploy leaves on hosts while it runs (k31deploy.oncall.recover reads both).
+FOLLOW_HOLD = "/run/k31/pd-follow.hold"
+REDEPLOY_LOCK = "/run/k31/redeploy.lock"
 
 
 def run(argv):
@@ -149,7 +152,17 @@ def status(spec):
             elif key == "models" and isinstance(answer.get("json"), dict):
                 info["models"] = [m.get("id") for m in answer["json"].get("data", [])]
         units[unit] = info
-    out = {"units": units}
+    # Both clocks at one instant: unit start times (monotonic) become epochs comparable across hosts.
+    out = {"units": units, "clock": {"time": time.time(), "monotonic": time.monotonic()}}
+    hold = hold_state(FOLLOW_HOLD)
+    if hold:
+        out["pd_follow_hold"] = hold
+    if spec.get("lock"):
+        try:
+            with open(REDEPLOY_LOCK) as fh:
+                out["redeploy_lock"] = fh.read().strip()
+        except OSError:
+            out["redeploy_lock"] = ""
     if spec.get("alerts"):
         out["alerts"] = alerts(spec)
     try:
@@ -158,6 +171,17 @@ def status(spec):
     except (OSError, ValueError):
         pass
     return out
+
+
+def hold_state(path):
+    """k31 redeploy's hold on the k31-pd-follow watcher: its text is seconds counted from its mtime."""
+    try:
+        mtime = os.stat(path).st_mtime
+        with open(path) as fh:
+            seconds = float(fh.read().strip() or 0)
+    except (OSError, ValueError):
+        return None if not os.path.exists(path) else {"until": 0.0, "seconds": 0.0}
+    return {"until": mtime + seconds, "seconds": seconds}
 
 
 def alerts(spec):
@@ -198,3 +222,9 @@ def main(spec, host):
 def cli(spec):
     """What the controller's appended line calls: the host's inventory name is the script's argument."""
     return main(spec, sys.argv[1])
+
+
+# k31_redeploy's repair ships this file as it is (argv: HOST SPEC-JSON); `k31 status` appends its own call
+# line and passes only HOST, so this does not run there.
+if __name__ == "__main__" and len(sys.argv) == 3:
+    raise SystemExit(main(json.loads(sys.argv[2]), sys.argv[1]))

@@ -69,6 +69,10 @@ def _step(server: dict[str, Any], reason: str) -> dict[str, Any]:
     }
 
 
+# The repair (k31deploy.oncall.recover, roles/k31_redeploy) drains, restarts and re-adds with the same fields.
+server_step = _step
+
+
 def _chunks(steps: list[dict[str, Any]], batch: int) -> list[list[dict[str, Any]]]:
     """Per role: the first server alone (the canary), then `batch` servers at a time."""
     out: list[list[dict[str, Any]]] = []

@@ -525,6 +525,20 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
     wait_for("the router to answer again", lambda: httpx.get(cluster.router + "/health", timeout=3)
              .status_code == 200, timeout=60)
     assert cluster.url("decode1", 30100) not in cluster.workers()
+    # Once the router answers, k31 status names what is owed and --repair settles it: the prefills restart
+    # (drained) after decode1, then decode1 rejoins.
+    status = k31(cluster.env, "status", "-i", str(cluster.inventory), "--json")
+    assert status.returncode == 1
+    assert any(p.startswith("decode1: healthy but out of the router") for p in json.loads(status.stdout)["problems"])
+    repaired = k31(cluster.env, "status", "--repair", "-i", str(cluster.inventory))
+    assert repaired.returncode == 0, repaired.stdout[-3000:]
+    assert "repair: re-add decode1 to the router" in repaired.stdout
+    d1 = unit("decode1", "k31-decode1-r0")
+    for host in ("prefill0", "prefill1"):
+        assert unit(host, f"k31-{host}-r0")["started"] > d1["started"], host
+    assert cluster.all_in_router()
+    assert k31(cluster.env, "status", "-i", str(cluster.inventory)).returncode == 0
+    assert serve_all(cluster) == []
 
 
 def test_e_status_logs_and_teardown(cluster, tmp_path):

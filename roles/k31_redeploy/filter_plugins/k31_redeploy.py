@@ -1,15 +1,18 @@
-"""Role filters: the redeploy's rollout order and the k31-pd-follow watcher's config, from the plan (rules
-in k31deploy.oncall.rollout)."""
+"""Role filters: the redeploy's rollout order, the k31-pd-follow watcher's config, and the repair of an
+interrupted redeploy (its lock and its decisions), from the plan (rules in k31deploy.oncall.rollout and
+k31deploy.oncall.recover)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
 try:
     from k31deploy.errors import K31Error
-    from k31deploy.oncall.rollout import follow_config, rollout
+    from k31deploy.oncall import gather, recover
+    from k31deploy.oncall.rollout import follow_config, rollout, server_step
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -27,6 +30,70 @@ def k31_redeploy_follow_config(plan: dict[str, Any], host: str, settings: dict[s
     return follow_config(plan, host, **(settings or {}))
 
 
+def k31_redeploy_recover_spec(plan: dict[str, Any]) -> dict[str, Any]:
+    """Where the repair looks: the lock host, the probe (k31 status's own) and its argument for each host,
+    and one rollout-style step per server (drain, restart and re-add use the same fields)."""
+    specs = gather.host_specs(plan)
+    return {"lock_host": recover.lock_host(plan), "probe": str(gather.PROBE),
+            "probe_args": {h: json.dumps({"mode": "status", "common": {}, "hosts": {h: spec}})
+                           for h, spec in specs.items()},
+            "hosts": list(specs), "steps": {s["name"]: server_step(s, "repair") for s in plan["servers"]},
+            "prefill_hosts": sorted({r["host"] for s in plan["servers"] if s["role"] == "prefill"
+                                     for r in s["ranks"]})}
+
+
+def k31_redeploy_lock_owner(what: str, seconds: Any) -> dict[str, Any]:
+    """This run's lock record (its controller, its ansible-playbook process, an expiry `seconds` from now)."""
+    return recover.new_owner(str(what), float(seconds))
+
+
+def k31_redeploy_lock_renew(owner: dict[str, Any], seconds: Any) -> str:
+    return recover.lock_text(recover.renew(owner, float(seconds)))
+
+
+def k31_redeploy_lock_text(owner: dict[str, Any]) -> str:
+    return recover.lock_text(owner)
+
+
+def k31_redeploy_lock_verdict(text: Any, host: str, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """free | ours | stale | live with one sentence, as this controller sees the lock's record."""
+    me = {**recover.controller(), "id": (owner or {}).get("id")}
+    return recover.lock_verdict(str(text or ""), host, me)
+
+
+def k31_redeploy_recover_answers(results: list[Any], hostvars: Any = None, var: str = "") -> dict[str, dict[str, Any]]:
+    """The probe's results -> {host: its JSON | {'unreachable' | 'failed': why}}: a loop's results (item: host),
+    or, with `hostvars`, the hosts named in `results` and what each registered as `var` (observe_host.yml)."""
+    if hostvars is not None:
+        found = []
+        for host in results:
+            try:
+                found.append({**dict(hostvars[host][var]), "item": host})
+            except (KeyError, TypeError):
+                found.append({"item": host, "unreachable": True, "msg": "not probed (left out of the run)"})
+        results = found
+    out: dict[str, dict[str, Any]] = {}
+    for res in results:
+        host = res.get("item")
+        if res.get("unreachable"):
+            out[host] = {"unreachable": str(res.get("msg", "unreachable"))}
+            continue
+        try:
+            out[host] = json.loads(res.get("stdout") or "")
+        except ValueError:
+            out[host] = {"failed": str(res.get("msg") or res.get("stderr") or "the probe printed no JSON")}
+    return out
+
+
+def k31_redeploy_recovery(plan: dict[str, Any], answers: dict[str, Any], health_timeout: Any = 3600,
+                          skip: Any = None) -> dict[str, Any]:
+    """What the repair does now (k31deploy.oncall.recover.decide); `skip`: a redeploy's own targets."""
+    return recover.decide(plan, answers, health_timeout=float(health_timeout), skip=list(skip or []))
+
+
 class FilterModule:
     def filters(self):
-        return {"k31_redeploy_rollout": k31_redeploy_rollout, "k31_redeploy_follow_config": k31_redeploy_follow_config}
+        return {f.__name__: f for f in (
+            k31_redeploy_rollout, k31_redeploy_follow_config, k31_redeploy_recover_spec, k31_redeploy_lock_owner,
+            k31_redeploy_lock_renew, k31_redeploy_lock_text, k31_redeploy_lock_verdict, k31_redeploy_recover_answers,
+            k31_redeploy_recovery)}
