@@ -341,7 +341,7 @@ def test_b_rolling_redeploy_of_every_server_under_load_fails_no_request(cluster)
     after = {h: unit(h, f"k31-{h}-r0") for h in servers}
     for host in servers:
         assert after[host]["started"] > before[host]["started"], host
-        assert after[host]["restarts"] == before[host]["restarts"], host    # planned restarts, no crash
+        assert after[host]["restarts"] == 0, host    # a start by k31 resets systemd's count: no crash since
     # Canary first, then the other decode, then the prefills (the seed's rule: after the decodes).
     order = sorted(servers, key=lambda h: after[h]["started"])
     assert order[:2] == ["decode0", "decode1"] and set(order[2:]) == {"prefill0", "prefill1"}, order
