@@ -11,7 +11,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from k31deploy.commands.ops import positive_int
+from k31deploy.commands.ops import positive_int, run_repair
 from k31deploy.commands.recipe import add_plan_args, plan_from_args
 from k31deploy.errors import K31Error
 from k31deploy.oncall import gather, recover
@@ -81,8 +81,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 def repair(args: argparse.Namespace, plan: dict, inventories: list[str]) -> int:
     """Look first (one probe): refuse while a redeploy runs, change nothing when there is nothing to do; else run
     playbooks/repair.yml, which takes the lock and decides again, and show the status it leaves."""
-    from k31deploy.commands.ops import run_repair
-
     answers = gather.collect(plan, inventories, become=args.become)
     host = recover.lock_host(plan)
     verdict = recover.lock_verdict(answers.get(host, {}).get("redeploy_lock"), host)

@@ -341,7 +341,8 @@ def cli(monkeypatch):
         state["runs"].append({"extra_vars": extra_vars, "files": files})
         return ops.RunOutcome(0, {}, "/runs/x")
 
-    monkeypatch.setattr(ops, "run_repair", run_repair)
+    monkeypatch.setattr(ops, "run_repair", run_repair)    # the Ctrl-C path in ops
+    monkeypatch.setattr(status_cmd, "run_repair", run_repair)    # k31 status --repair
     return state
 
 
