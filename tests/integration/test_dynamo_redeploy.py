@@ -48,9 +48,10 @@ def started(host, server, rank):
     """When systemd last started the rank's main process (us on the monotonic clock the containers share)."""
     unit = f"k31-{server}-r{rank}"
     out = subprocess.run(["podman", "exec", f"k31-{NAME}-{host}", "systemctl", "show", "-p",
-                          "ExecMainStartTimestampMonotonic,NRestarts", "--value", unit],
-                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
-    return int(out[0]), int(out[1])
+                          "ExecMainStartTimestampMonotonic,NRestarts", unit],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)    # systemd's order, not ours
+    return int(props["ExecMainStartTimestampMonotonic"]), int(props["NRestarts"])
 
 
 @pytest.fixture(scope="module")
