@@ -13,53 +13,37 @@ Needs root, podman, runc, debootstrap and the Dynamo wheels (built into .k31/whe
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from sandbox_cli import REPO, cli_env, k31, playbook, unit_state
 
 from k31deploy import wheelhouse
 from k31deploy.loadgen import LoadGen
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = f"dynredeploy-{os.getpid()}"
 SHAPE = "gb300-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 SERVERS = ("decode0", "decode1", "prefill0", "prefill1")
 # The stand-ins' timing model (group_vars, so deploy and redeploy render the same): 160 tokens stream ~4 s.
 TIMING = {"k31_engine_standin_ttft_base_ms": 300, "k31_engine_standin_ttft_per_1k_prompt_tokens_ms": 200,
           "k31_engine_standin_token_ms": 25}
 
 
-def k31(env, *args, timeout=900):
-    proc = subprocess.run([sys.executable, "-m", "k31deploy.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-    print(f"$ k31 {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
 def started(host, server, rank):
-    """When systemd last started the rank's main process (us on the monotonic clock the containers share)."""
-    unit = f"k31-{server}-r{rank}"
-    out = subprocess.run(["podman", "exec", f"k31-{NAME}-{host}", "systemctl", "show", "-p",
-                          "ExecMainStartTimestampMonotonic,NRestarts", unit],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)    # systemd's order, not ours
-    return int(props["ExecMainStartTimestampMonotonic"]), int(props["NRestarts"])
+    """When systemd last started the rank's main process, and its restart count."""
+    state = unit_state(NAME, host, f"k31-{server}-r{rank}")
+    return state["started"], state["restarts"]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    env = {**os.environ, "K31_STATE_DIR": str(state), "PYTHONPATH": str(REPO),
-           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "cp"),
-           "ANSIBLE_DEPRECATION_WARNINGS": "False"}
+    env = cli_env(state)
     wheelhouse.build("dynamo", REPO / ".k31" / "wheelhouse", wheelhouse.host_arch())
     t0 = time.monotonic()
     proc = k31(env, "sandbox", "up", "--shape", SHAPE, "--name", NAME)
@@ -68,8 +52,7 @@ def cluster(tmp_path_factory):
         inventory = Path(proc.stdout.strip().splitlines()[-1])
         (inventory.parent / "group_vars").mkdir()
         (inventory.parent / "group_vars" / "all.yml").write_text(yaml.safe_dump(TIMING))
-        proc = subprocess.run([str(PLAYBOOK), "-i", str(inventory), str(REPO / "deploy.yml")], env=env,
-                              capture_output=True, text=True, timeout=1200, cwd=REPO, stdin=subprocess.DEVNULL)
+        proc = playbook(env, inventory, "deploy.yml", timeout=1200)
         assert proc.returncode == 0, proc.stdout[-4000:]
         print(f"sandbox {NAME} deployed in {time.monotonic() - t0:.0f} s")
         yield env, inventory
@@ -90,7 +73,7 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
         time.sleep(6)
         began = load.report().elapsed
         t0 = time.monotonic()
-        proc = k31(env, "redeploy", "-i", str(inventory))
+        proc = k31(env, "redeploy", "-i", str(inventory), timeout=900)
         took = time.monotonic() - t0
         ended = load.report().elapsed
         time.sleep(5)

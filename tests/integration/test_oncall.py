@@ -32,7 +32,6 @@ import os
 import shutil
 import ssl
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -44,19 +43,16 @@ import httpx
 import pytest
 import yaml
 from recaps import changed
+from sandbox_cli import REPO, cli_env, k31, node, node_sh, playbook, unit_state, wait_for
 
 from k31deploy import pki, wheelhouse
 from k31deploy.loadgen import LoadGen, Report
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = f"oncall-{os.getpid()}"
 SHAPE = "mi355x-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
-# The real `k31` CLI.
-RUNNER = ["-m", "k31deploy.cli"]
 # Monitoring at test speed: what a site runs at 15 s / 30 s / 20 m, shortened so each alert shows in seconds.
 MONITORING = {"k31_monitoring_scrape_interval": "2s", "k31_monitoring_evaluation_interval": "2s",
               "k31_monitoring_group_wait": "1s", "k31_monitoring_group_interval": "5s",
@@ -71,54 +67,16 @@ LONG_ANSWER = 160
 SCREENSHOT = REPO / ".k31" / "artifacts" / "monitoring-console.png"
 
 
-def k31(env, *args, timeout=600):
-    proc = subprocess.run([sys.executable, *RUNNER, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-    print(f"$ k31 {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def playbook(env, inventory, path, *args, timeout=1200):
-    proc = subprocess.run([str(PLAYBOOK), "-i", str(inventory), str(REPO / path), *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
-    assert "Traceback" not in proc.stderr
-    return proc
-
-
 def ctr(host):
-    return f"k31-{NAME}-{host}"
+    return node(NAME, host)
 
 
 def sh(host, command, check=True):
-    proc = subprocess.run(["podman", "exec", ctr(host), "sh", "-c", command], capture_output=True, text=True,
-                          timeout=60)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return node_sh(NAME, host, command, check)
 
 
 def unit(host, name):
-    """systemd's view of a unit: active state, restart count, and when its main process started (us, on
-    the kernel's monotonic clock, which every container of the sandbox shares)."""
-    out = sh(host, f"systemctl show -p ActiveState,NRestarts,ExecMainStartTimestampMonotonic {name}")
-    props = dict(line.split("=", 1) for line in out.splitlines())
-    return {"active": props["ActiveState"], "restarts": int(props["NRestarts"]),
-            "started": int(props["ExecMainStartTimestampMonotonic"])}
-
-
-def wait_for(what, check, timeout=90.0, interval=0.5):
-    """Poll until check() is truthy; a server that is not listening yet is "not yet", not a failure."""
-    deadline = time.monotonic() + timeout
-    last_error = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.TransportError as exc:  # restarting: the port is closed for a moment
-            value, last_error = None, exc
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last_error})")
+    return unit_state(NAME, host, name)
 
 
 class Cluster:
@@ -189,9 +147,7 @@ def outcomes(report: Report, since: float = 0.0) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    env = {**os.environ, "K31_STATE_DIR": str(state), "PYTHONPATH": str(REPO),
-           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "cp"),
-           "ANSIBLE_DEPRECATION_WARNINGS": "False"}
+    env = cli_env(state)
     # The roles install the router from the repo's wheelhouse (k31_router_wheelhouse).
     wheelhouse.build("router", REPO / ".k31" / "wheelhouse", wheelhouse.host_arch())
     t0 = time.monotonic()
@@ -204,8 +160,10 @@ def cluster(tmp_path_factory):
         # This machine watches the engines' /health directly: it is in the firewall's cluster sources here.
         nodes = yaml.safe_load(inventory.read_text())["all"]["children"]["k31_router"]["hosts"]
         subnet = ipaddress.ip_network(f"{next(iter(nodes.values()))['ansible_host']}/24", strict=False)
+        # up to 20 minutes on a machine busy with other sandboxes
         proc = playbook(env, inventory, "deploy.yml",
-                        "-e", json.dumps({"k31_firewall_cluster_sources": [str(subnet)], **MONITORING}))
+                        "-e", json.dumps({"k31_firewall_cluster_sources": [str(subnet)], **MONITORING}),
+                        timeout=1200)
         assert proc.returncode == 0, proc.stdout[-4000:]
         proc = playbook(env, inventory, "playbooks/redeploy.yml", "--tags", "k31_pd_follow")
         assert proc.returncode == 0, proc.stdout[-4000:]

@@ -26,47 +26,28 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sandbox_cli
 import yaml
 from recaps import changed
+from sandbox_cli import REPO, cli_env, k31, node, node_sh, playbook, unit_state
 
 from k31deploy import pki, wheelhouse
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = f"rec-{os.getpid()}"
 SHAPE = "mi355x-2p2d"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
-RUNNER = ["-m", "k31deploy.cli"]
 ENGINES = ("prefill0", "prefill1", "decode0", "decode1")
 # The restarted decode loads for a few seconds: the window the interruption lands in.
 SLOW_LOAD = ("-e", "k31_engine_standin_load_seconds=3")
 
 
-def k31(env, *args, timeout=600):
-    proc = subprocess.run([sys.executable, *RUNNER, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-    print(f"$ k31 {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def playbook(env, inventory, path, *args, timeout=600):
-    proc = subprocess.run([str(PLAYBOOK), "-i", str(inventory), str(REPO / path), *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
-    assert "Traceback" not in proc.stderr
-    return proc
-
-
 def ctr(host):
-    return f"k31-{NAME}-{host}"
+    return node(NAME, host)
 
 
 def sh(host, command, check=True):
-    proc = subprocess.run(["podman", "exec", ctr(host), "sh", "-c", command], capture_output=True, text=True,
-                          timeout=60)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return node_sh(NAME, host, command, check)
 
 
 def write(host, path, text):
@@ -77,7 +58,12 @@ def write(host, path, text):
 
 def started(host):
     """When the host's rank-0 unit's main process started (us, on the monotonic clock the sandbox shares)."""
-    return int(sh(host, f"systemctl show -p ExecMainStartTimestampMonotonic --value k31-{host}-r0").strip() or 0)
+    return unit_state(NAME, host, f"k31-{host}-r0")["started"]
+
+
+def wait_for(what, check, timeout=90.0, interval=0.3):
+    """sandbox_cli.wait_for, polling faster: the interruption must land while decode1 restarts."""
+    return sandbox_cli.wait_for(what, check, timeout, interval)
 
 
 def kill_tree(pid):
@@ -92,19 +78,6 @@ def kill_tree(pid):
     for p in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-
-
-def wait_for(what, check, timeout=90.0, interval=0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.TransportError:
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Cluster:
@@ -143,9 +116,9 @@ class Cluster:
         before = started("decode1")
         out = self.inventory.parent / f"redeploy-{sig.name}-{time.monotonic_ns()}.log"
         with out.open("w") as fh:
-            proc = subprocess.Popen([sys.executable, *RUNNER, "redeploy", "decode1", "-i", str(self.inventory),
-                                     *SLOW_LOAD], env=self.env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-m", "k31deploy.cli", "redeploy", "decode1",
+                                     "-i", str(self.inventory), *SLOW_LOAD], env=self.env, cwd=REPO,
+                                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for("the redeploy to restart decode1", lambda: started("decode1") > before, timeout=180)
             assert self.url("decode1") not in self.workers()
@@ -163,9 +136,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    env = {**os.environ, "K31_STATE_DIR": str(state), "PYTHONPATH": str(REPO),
-           "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "cp"),
-           "ANSIBLE_DEPRECATION_WARNINGS": "False"}
+    env = cli_env(state)
     wheelhouse.build("router", REPO / ".k31" / "wheelhouse", wheelhouse.host_arch())
     t0 = time.monotonic()
     proc = k31(env, "sandbox", "up", "--shape", SHAPE, "--name", NAME)
