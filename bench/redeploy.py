@@ -15,29 +15,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+# bench/ is this script's directory, so its sibling's helpers import directly
+from deploy import BIN, ROOT, down, run, sandbox
+
 sys.path.insert(0, str(ROOT))
 
-from k31deploy.loadgen import LoadGen, Report  # noqa: E402
+from k31deploy.loadgen import LoadGen, Report
 
 TIMING = {"k31_engine_standin_ttft_base_ms": 300, "k31_engine_standin_ttft_per_1k_prompt_tokens_ms": 200,
           "k31_engine_standin_token_ms": 25}
-
-
-def run(*argv: str) -> str:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return done.stdout
 
 
 def figures(report: Report) -> dict:
@@ -54,8 +46,7 @@ def main() -> int:
     args = p.parse_args()
     name = f"bench-redeploy-{os.getpid()}"
     run(str(BIN / "k31"), "wheelhouse", "build", "--set", "router")
-    inventory = Path(run(str(BIN / "k31"), "sandbox", "up", "--shape", "mi355x-2p2d", "--name", name)
-                     .strip().splitlines()[-1])
+    inventory = Path(sandbox(name, "--shape", "mi355x-2p2d"))
     try:
         (inventory.parent / "group_vars").mkdir(exist_ok=True)
         (inventory.parent / "group_vars" / "all.yml").write_text(yaml.safe_dump(TIMING))
@@ -76,7 +67,7 @@ def main() -> int:
             seconds = round(time.monotonic() - began, 1)
         at_rest, under = figures(rest.report()), figures(during.report())
     finally:
-        run(str(BIN / "k31"), "sandbox", "down", "--name", name)
+        down(name)
     ratio = (round(under["ttft_p90_s"] / at_rest["ttft_p90_s"], 2)
              if under["ttft_p90_s"] and at_rest["ttft_p90_s"] else None)
     result = {"targets": args.targets or ["every server"], "redeploy_seconds": seconds, "at_rest": at_rest,
