@@ -330,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sglang_argv)
     if args.node_rank >= 1:
         # Ranks >= 1 of a multi-node server register nothing with Dynamo (init_llm.py handle_non_leader_node);
-        # like SGLang's, they only answer /health (here on the worker's system port).
-        cmd = [sys.executable, "-m", "k31deploy.standin", *sglang_argv, "--host", "0.0.0.0",
+        # like SGLang's, they only answer /health (here on the worker's system port and host, the cluster address
+        # the plan gives as DYN_SYSTEM_HOST, as the status server binds it).
+        cmd = [sys.executable, "-m", "k31deploy.standin", *sglang_argv,
+               "--host", os.environ.get("DYN_SYSTEM_HOST", "127.0.0.1"),
                "--port", os.environ.get("DYN_SYSTEM_PORT", "30000")]
         os.environ.pop("K31_STANDIN_RECORD", None)    # the record above holds the planned argv
         os.execv(cmd[0], cmd)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k31deploy.standin import replies
+from k31deploy.standin import dynamo, replies
 from k31deploy.standin.dynamo import (
     KvBlocks,
     block_hash,
@@ -103,3 +103,23 @@ def test_kv_blocks_publish_each_full_block_once_chained_and_evict_the_oldest():
     kv.store([7, 7, 7, 7])        # a fourth block: the least recently used one leaves
     assert publisher.removed == [first]
     assert block_hash(None, [1, 2]) != block_hash(None, [2, 1]) and block_hash(1, [5]) != block_hash(2, [5])
+
+
+def test_a_rank_above_0_answers_health_on_the_system_host_and_port_only(monkeypatch, tmp_path):
+    """Ranks >= 1 become the plain stand-in on DYN_SYSTEM_HOST:DYN_SYSTEM_PORT (the cluster address), never 0.0.0.0."""
+    seen = []
+
+    def execv(path, cmd):    # os.execv does not return
+        seen.append(cmd)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(dynamo.os, "execv", execv)
+    monkeypatch.setenv("K31_STANDIN_MODEL_DIR", str(tmp_path))
+    monkeypatch.setenv("DYN_SYSTEM_HOST", "10.8.0.2")
+    monkeypatch.setenv("DYN_SYSTEM_PORT", "30100")
+    monkeypatch.delenv("K31_STANDIN_RECORD", raising=False)
+    with pytest.raises(SystemExit):
+        dynamo.main(["--model-path", "/m", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.8.0.1:5000"])
+    (cmd,) = seen
+    assert cmd[cmd.index("--host") + 1] == "10.8.0.2" and cmd[cmd.index("--port") + 1] == "30100"
+    assert "0.0.0.0" not in cmd
