@@ -383,18 +383,25 @@ def test_c_a_version_that_never_gets_healthy_rolls_back_by_itself(cluster):
     assert serve_all(cluster) == []
 
 
-def test_d_a_host_lost_mid_redeploy_leaves_the_others_serving_and_is_reported(cluster, tmp_path):
-    before = unit("decode0", "k31-decode0-r0")
+def pause_once_restarted(host, server, started):
+    """Freeze `host` (podman pause) as soon as a redeploy restarted `server`'s rank 0 (its start time passed
+    `started`), from a thread: (the thread, an event set once paused)."""
     paused = threading.Event()
 
-    def pause_decode1_once_decode0_restarts():
-        wait_for("the redeploy to restart decode0", lambda: unit("decode0", "k31-decode0-r0")["started"]
-                 > before["started"], timeout=180, interval=0.3)
-        subprocess.run(["podman", "pause", ctr("decode1")], check=True, capture_output=True)
+    def pause():
+        wait_for(f"the redeploy to restart {server}", lambda: unit(server, f"k31-{server}-r0")["started"] > started,
+                 timeout=180, interval=0.3)
+        subprocess.run(["podman", "pause", ctr(host)], check=True, capture_output=True)
         paused.set()
 
-    watcher = threading.Thread(target=pause_decode1_once_decode0_restarts, daemon=True)
-    watcher.start()
+    thread = threading.Thread(target=pause, daemon=True)
+    thread.start()
+    return thread, paused
+
+
+def test_d_a_host_lost_mid_redeploy_leaves_the_others_serving_and_is_reported(cluster, tmp_path):
+    before = unit("decode0", "k31-decode0-r0")
+    watcher, paused = pause_once_restarted("decode1", "decode0", before["started"])
     # Fresh SSH control connections: a host frozen behind an old one hangs rather than refusing.
     env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
     try:
@@ -444,16 +451,7 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
     owed and `k31 status --repair` settles it."""
     servers = ("decode0", "decode1", "prefill0", "prefill1")
     before = {h: unit(h, f"k31-{h}-r0") for h in servers}
-    paused = threading.Event()
-
-    def pause_router_once_decode1_restarts():
-        wait_for("the redeploy to restart decode1", lambda: unit("decode1", "k31-decode1-r0")["started"]
-                 > before["decode1"]["started"], timeout=180, interval=0.3)
-        subprocess.run(["podman", "pause", ctr("router0")], check=True, capture_output=True)
-        paused.set()
-
-    pauser = threading.Thread(target=pause_router_once_decode1_restarts, daemon=True)
-    pauser.start()
+    pauser, paused = pause_once_restarted("router0", "decode1", before["decode1"]["started"])
     env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
     try:
         t0 = time.monotonic()
