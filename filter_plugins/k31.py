@@ -85,6 +85,14 @@ def k31_env_from_files(mapping: dict[str, str] | None) -> list[str]:
         raise AnsibleFilterError(f"error: {exc}") from None
 
 
+def k31_start_env(rank: dict[str, Any]) -> list[str]:
+    """Launch-script lines setting what a rank chooses at each start (a Dynamo worker's request-plane port)."""
+    try:
+        return launch.start_env(rank)
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
 def k31_metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Prometheus file_sd target groups by file name (engines, router or frontend)."""
     return launch.metrics_targets(plan)
@@ -170,5 +178,6 @@ class FilterModule:
                 "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file, "k31_env_line": k31_env_line,
                 "k31_env_comment": k31_env_comment, "k31_service_command": k31_service_command,
                 "k31_url": k31_url, "k31_host_port": k31_host_port, "k31_env_from_files": k31_env_from_files,
+                "k31_start_env": k31_start_env,
                 "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls}

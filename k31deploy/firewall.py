@@ -83,7 +83,8 @@ def rules(plan: dict[str, Any], host: str, settings: Settings) -> list[Rule]:
         if entry["host"] != host:
             continue
         sources = public if (entry["host"], entry["port"]) in endpoint else cluster
-        out.append(Rule(str(entry["port"]), sources, f"{entry['service']}: {entry['purpose']}", entry["proto"]))
+        numbers = f"{entry['port']}-{entry['port_last']}" if entry.get("port_last") else str(entry["port"])
+        out.append(Rule(numbers, sources, f"{entry['service']}: {entry['purpose']}", entry["proto"]))
     mine = [(s, r) for s in plan["servers"] for r in s["ranks"] if r["host"] == host]
     if plan["topology"] == "pd" and mine:
         peers = [r["address"] for s in plan["servers"] for r in s["ranks"]]

@@ -66,6 +66,31 @@ def env_from_files(mapping: dict[str, str] | None) -> list[str]:
     return lines
 
 
+# Installed by the k31_engine role (roles/k31_engine/files/k31-request-port).
+REQUEST_PORT_PICKER = "/usr/local/lib/k31/k31-request-port"
+
+
+def start_env(rank: dict[str, Any]) -> list[str]:
+    """Shell lines a rank's launch script runs to set what is chosen at each start: behind Dynamo, the
+    request-plane port (DYN_TCP_RPC_PORT), the next free port of the plan's range after the one the
+    previous start took. The frontend keeps a pooled TLS connection per worker address:port, and the first
+    request it sends over it after the worker restarted on the same port fails (ai-dynamo 1.6.1
+    lib/runtime/src/pipeline/network/egress/tcp_client.rs); a new port is a new pool."""
+    ports = rank.get("request_plane_ports")
+    if not ports:
+        return []
+    first, last = (int(p) for p in ports)
+    if not 1 <= first <= last <= 65535:
+        raise K31Error(f"{rank['unit']}: request_plane_ports {ports} is not valid; valid: [first, last] with "
+                       f"1 <= first <= last <= 65535")
+    pick = shlex.join([REQUEST_PORT_PICKER, rank["unit"], rank["address"], str(first), str(last)])
+    return [f'DYN_TCP_RPC_PORT="$({pick})"; export DYN_TCP_RPC_PORT']
+
+
+def start_env_names(rank: dict[str, Any]) -> list[str]:
+    return ["DYN_TCP_RPC_PORT"] if rank.get("request_plane_ports") else []
+
+
 def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, env_file: str,
                    container_cli: str = "docker", venv: str = "/opt/k31/venv",
                    mounts: list[str] | None = None, extra_flags: list[str] | None = None) -> list[str]:
@@ -80,8 +105,8 @@ def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, 
         if not plan.get("image") or str(plan["image"]).startswith("<"):
             raise K31Error(f"image is {plan.get('image')}: set k31_image to the serving image before a deploy")
         volumes = [t for m in (mounts or []) for t in ("-v", m)]
-        # Variables the launch script set from files (env_from_files) pass by name: the value stays out of argv.
-        passed = [t for name in rank.get("env_from_files") or {} for t in ("-e", name)]
+        # Variables the launch script set (env_from_files, start_env) pass by name: the value stays out of argv.
+        passed = [t for name in [*(rank.get("env_from_files") or {}), *start_env_names(rank)] for t in ("-e", name)]
         return [container_cli, "run", "--rm", "--name", rank["unit"],
                 *_container_flags(plan["container_flags"], container_cli), *(extra_flags or []),
                 "--env-file", env_file, *passed, *volumes,

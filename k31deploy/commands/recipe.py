@@ -97,7 +97,8 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 
 def port_lines(ports: list[dict[str, Any]]) -> list[str]:
-    rows = [(p["host"], f"{p['port']}/{p['proto']}", p["service"], p["purpose"]) for p in ports]
+    rows = [(p["host"], f"{p['port']}{'-' + str(p['port_last']) if p.get('port_last') else ''}/{p['proto']}",
+             p["service"], p["purpose"]) for p in ports]
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
     return ["  " + "  ".join([*(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)), r[3]]) for r in rows]
 

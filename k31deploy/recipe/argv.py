@@ -38,7 +38,8 @@ class EngineArgv:
                 self.r.engine_check(s.name, argv[len(self.launcher()):])
             ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
                           "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port, host.address),
-                          "env_from_files": self.dynamo_env_from_files(), "auth_file": self.auth_file(s, rank)})
+                          "env_from_files": self.dynamo_env_from_files(),
+                          "request_plane_ports": self.request_plane_ports(), "auth_file": self.auth_file(s, rank)})
         return {
             "name": s.name,
             "role": s.role,
@@ -227,9 +228,16 @@ class EngineArgv:
                    "components/src/dynamo/sglang/args.py)")
             env[dyn["worker_system_port_env"]] = port
             env[dyn["worker_system_host_env"]] = address    # its status server, on the cluster address
-            env.update(self.dynamo_discovery_env(address))
-            env["DYN_TCP_RPC_PORT"] = cat["ports"]["dynamo_request"]
+            env.update(self.dynamo_discovery_env(address))    # DYN_TCP_RPC_PORT: request_plane_ports
         return {key: str(value) for key, value in env.items()}
+
+    def request_plane_ports(self) -> list[int] | None:
+        """Behind Dynamo, the range a worker's request plane (DYN_TCP_RPC_PORT) takes its port from at each
+        start (catalog ports.dynamo_request says why it moves); None otherwise."""
+        if self.r.router != "dynamo":
+            return None
+        first, last = self.cat["ports"]["dynamo_request"]
+        return [int(first), int(last)]
 
     def dynamo_env_from_files(self) -> dict[str, str]:
         """Env vars a Dynamo process takes as the text of a file (etcd's client: PEM, not a path)."""
@@ -278,6 +286,7 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
         r.emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
         env = EngineArgv(r).dynamo_discovery_env(host.address)
         env["DYN_TCP_RESPONSE_STREAM_PORT"] = str(cat["ports"]["dynamo_response"])
+        env.update(dyn["frontend_env"])
         env.update({key: cat["pki"][part] for key, part in dyn["frontend_tls_env"].items()})
         if tls:    # the site's certificate faces clients; their certificates still come from the cluster CA
             env.update({"DYN_TLS_CERT_PATH": tls["cert"], "DYN_TLS_KEY_PATH": tls["key"]})

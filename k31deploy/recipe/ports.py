@@ -2,9 +2,10 @@
 numbers come from the catalog's `ports` and the dist_init_port knob). The resolver refuses a table in
 which one machine listens twice on one port; `k31 plan` shows it; a firewall can open exactly it.
 
-Hosts that share an address are one machine. Ports a process picks at run time (NCCL's, Mooncake's
-transfer RPC range 15000-17000 that the k31_rdma role opens, Dynamo's event-plane publishers) are not
-planned and so not listed.
+Hosts that share an address are one machine. A range entry (`port`..`port_last`) is one listener that
+takes one port of the range at each start (a Dynamo worker's request plane). Ports a process picks at run
+time (NCCL's, Mooncake's transfer RPC range 15000-17000 that the k31_rdma role opens, Dynamo's event-plane
+publishers) are not planned and so not listed.
 """
 
 from __future__ import annotations
@@ -39,10 +40,17 @@ class Listener:
     purpose: str
     setting: str | None = None    # the knob that moves this port, if one does
     proto: str = "tcp"
+    last: int | None = None       # a range port..last, one port of which the process takes at each start
+
+    def numbers(self) -> range:
+        return range(self.port, (self.last or self.port) + 1)
 
     def entry(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "proto": self.proto, "service": self.service,
-                "purpose": self.purpose}
+        found = {"host": self.host, "port": self.port, "proto": self.proto, "service": self.service,
+                 "purpose": self.purpose}
+        if self.last is not None:
+            found["port_last"] = self.last
+        return found
 
 
 def listeners(r: _Resolver, plan: dict[str, Any]) -> list[Listener]:
@@ -57,8 +65,10 @@ def listeners(r: _Resolver, plan: dict[str, Any]) -> list[Listener]:
                 found.append(Listener(host, addr, s["port"], "dynamo-worker",
                                       f"{name} rank {n}: Dynamo worker status and /health (DYN_SYSTEM_PORT)"))
                 if n == 0:
-                    found.append(Listener(host, addr, ports["dynamo_request"], "dynamo-request-plane",
-                                          f"{name}: requests from the Dynamo frontend (mutual TLS, DYN_TCP_RPC_PORT)"))
+                    first, last = rank["request_plane_ports"]
+                    found.append(Listener(host, addr, first, "dynamo-request-plane",
+                                          f"{name}: requests from the Dynamo frontend (mutual TLS, DYN_TCP_RPC_PORT: "
+                                          f"the next free port of the range at each start)", last=last))
             elif n == 0:
                 found.append(Listener(host, addr, s["port"], "sglang",
                                       f"{name} ({s['role']}): OpenAI API, /health and /metrics of rank 0"))
@@ -119,7 +129,8 @@ def check(found: list[Listener]) -> None:
     for address, items in by_machine.items():
         seen: dict[tuple[str, int], Listener] = {}
         for item in items:
-            first = seen.setdefault((item.proto, item.port), item)
+            clash = [(n, seen.setdefault((item.proto, n), item)) for n in item.numbers()]
+            number, first = next(((n, other) for n, other in clash if other is not item), (item.port, item))
             if first is item:
                 continue
             hosts = sorted({first.host, item.host})
@@ -131,7 +142,7 @@ def check(found: list[Listener]) -> None:
                        f"(taken: {', '.join(map(str, taken))})")
             else:
                 fix = "give these hosts their own addresses or put the services on different hosts"
-            raise K31Error(f"port {item.port}/{item.proto} on {where} is planned twice, for {first.purpose} and "
+            raise K31Error(f"port {number}/{item.proto} on {where} is planned twice, for {first.purpose} and "
                            f"for {item.purpose}; {fix}")
 
 

@@ -40,7 +40,8 @@ def try_connect(address, port, timeout=2.0):
 def main():
     plan = json.load(sys.stdin)
     where, public = addresses(plan), endpoints(plan)
-    targets = [(p["host"], p["port"], p["service"]) for p in plan["ports"]]
+    targets = [(p["host"], n, p["service"]) for p in plan["ports"]
+               for n in range(p["port"], p.get("port_last", p["port"]) + 1)]    # a range: each of its ports
     targets += [(host, port, "unplanned") for host in where for port in UNUSED]
     with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
         answers = list(pool.map(lambda t: try_connect(where[t[0]], t[1]), targets))

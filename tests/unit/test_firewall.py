@@ -57,6 +57,11 @@ def test_dynamo_control_planes_and_multi_node_peers():
     assert fe[("8000", "tcp")].sources == ANY
     assert set(fe[("2379", "tcp")].sources) <= set(cluster) and "10.1.0.1/32" in fe[("4222", "tcp")].sources
     tray = firewall.rules(plan, "prefill0-t0", firewall.Settings())
+    # the request plane's whole range: each start of the worker takes the next port of it
+    assert set(by_port(tray)[("29110-29125", "tcp")].sources) <= set(cluster)
+    assert ("29110-29125", "tcp") not in by_port(firewall.rules(plan, "prefill0-t1", firewall.Settings()))
+    assert "tcp dport 29110-29125 accept" in firewall.nftables(plan, "prefill0-t0", firewall.Settings())
+    assert any(" port 29110:29125 proto tcp " in r for r in firewall.ufw(plan, "prefill0-t0", firewall.Settings()))
     peers = [r for r in tray if not r.ports]
     assert {r.proto for r in peers} == {"tcp", "udp"} and all(r.sources == ("10.1.0.2/32",) for r in peers)
 

@@ -34,6 +34,20 @@ def test_container_command_carries_family_flags_env_file_mounts_and_the_planned_
     assert cmd[image_at + 1:] == rank["argv"]
 
 
+def test_dynamo_workers_take_their_request_plane_port_at_start_and_containers_get_it_by_name():
+    plan = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "max_running_requests": 8})
+    rank = rank0(plan, "decode")
+    assert launch.start_env(rank) == [
+        f'DYN_TCP_RPC_PORT="$(/usr/local/lib/k31/k31-request-port {rank["unit"]} {rank["address"]} 29110 29125)"; '
+        f'export DYN_TCP_RPC_PORT']
+    cmd = launch.engine_command(plan, rank, "container", env_file="/etc/k31/x.env")
+    assert cmd[cmd.index("DYN_TCP_RPC_PORT") - 1] == "-e"
+    sglang = rank0(resolve(MI_PD), "decode")
+    assert sglang["request_plane_ports"] is None and launch.start_env(sglang) == []
+    with pytest.raises(K31Error, match=r"request_plane_ports \[9, 3\] is not valid"):
+        launch.start_env({**rank, "request_plane_ports": [9, 3]})
+
+
 def test_rocm_hosts_add_their_numeric_render_group():
     plan = resolve(MI_PD)
     cmd = launch.engine_command(plan, rank0(plan, "decode"), "container", env_file="e",

@@ -52,12 +52,17 @@ def test_dynamo_processes_authenticate_every_control_plane():
         assert process["env_from_files"] == {"ETCD_AUTH_CA": plan["pki"]["ca"],
                                              "ETCD_AUTH_CLIENT_CERT": plan["pki"]["cert"],
                                              "ETCD_AUTH_CLIENT_KEY": plan["pki"]["key"]}
-    assert (worker["DYN_TCP_RPC_HOST"], worker["DYN_TCP_RPC_PORT"]) == ("10.8.0.1", "29100")
+    # the request plane binds the cluster address; its port is the next of a range at each start (launch.start_env)
+    assert worker["DYN_TCP_RPC_HOST"] == "10.8.0.1" and "DYN_TCP_RPC_PORT" not in worker
+    assert plan["servers"][0]["ranks"][0]["request_plane_ports"] == [29110, 29125]
+    plane = [p for p in plan["ports"] if p["service"] == "dynamo-request-plane"]
+    assert [(p["host"], p["port"], p["port_last"]) for p in plane] == [("p0", 29110, 29125), ("d0", 29110, 29125)]
     assert worker["DYN_TCP_TLS_CLIENT_CA_CERT_PATH"] == plan["pki"]["ca"]       # the request plane wants certs
     assert worker["DYN_SYSTEM_HOST"] == "10.8.0.1"
     frontend = plan["router"]["env"]
     assert frontend["DYN_TLS_CLIENT_CA_CERT_PATH"] == plan["pki"]["ca"]        # clients need a certificate
     assert frontend["DYN_TCP_RESPONSE_STREAM_PORT"] == "29101"
+    assert frontend["DYN_TCP_HOST_IDLE_TTL_SECS"] == "60"    # a restarted worker's old pool goes in <= 90 s
     assert flag(plan["router"]["argv"], "--http-host") == "192.0.2.9"
     for env in (worker, frontend):    # secrets never in the plan: they go to 0600 env files
         assert not {"NATS_AUTH_TOKEN", "ETCD_AUTH_PASSWORD", "ETCD_AUTH_CLIENT_KEY"} & set(env)

@@ -28,7 +28,8 @@ def test_every_planned_case_has_a_collision_free_table_with_each_process_in_it()
     seen = 0
     for case_id, plan in cases.plans():
         table = plan["ports"]
-        assert all(set(p) == {"host", "port", "proto", "service", "purpose"} for p in table), case_id
+        keys = {"host", "port", "proto", "service", "purpose"}
+        assert all(set(p) == keys or set(p) == keys | {"port_last"} for p in table), case_id
         assert len({(p["host"], p["port"]) for p in table}) == len(table), case_id
         for s in plan["servers"]:
             for rank in s["ranks"]:
@@ -53,9 +54,11 @@ def test_the_table_names_every_service_and_its_purpose():
     assert purposes[("node1", 30000)] == "prefill0 rank 1: /health"
     assert purposes[("node0", 20000)] == "prefill0: --dist-init-addr rendezvous of its 2 nodes"
     assert "MOONCAKE_MASTER" in purposes[("node0", 50051)]
+    assert all("port_last" not in p for p in plan["ports"])
     dynamo = resolve({**GB300_PD, "monitoring": "none"})
+    assert [p["port_last"] for p in dynamo["ports"] if "port_last" in p] == [29125] * 2    # one per server (rank 0)
     assert listening(dynamo, "node0") == {2379: "etcd", 4222: "nats", 8000: "dynamo-frontend", 8998: "sglang-bootstrap",
-                                          20000: "torch-dist-init", 29100: "dynamo-request-plane",
+                                          20000: "torch-dist-init", 29110: "dynamo-request-plane",
                                           29101: "dynamo-response-plane", 30000: "dynamo-worker"}
 
 
@@ -105,6 +108,17 @@ def test_hosts_sharing_an_address_are_one_machine():
                                        r"u0 \(unified\): .* and for u1 \(unified\): .*; give these hosts their own "
                                        r"addresses"):
         resolve({"platform": "mi355x", "agents": 16}, hosts)
+
+
+def test_a_port_range_collides_with_any_port_inside_it():
+    from k31deploy.recipe.ports import Listener, check
+    plane = Listener("h", "10.0.0.1", 29110, "dynamo-request-plane", "worker requests", last=29125)
+    check([plane, Listener("h", "10.0.0.1", 29126, "x", "next door")])
+    with pytest.raises(K31Error, match=r"port 29117/tcp on host h is planned twice, for worker requests and for "
+                                       r"metrics;"):
+        check([plane, Listener("h", "10.0.0.1", 29117, "x", "metrics")])
+    with pytest.raises(K31Error, match=r"port 29120/tcp on host h is planned twice"):
+        check([Listener("h", "10.0.0.1", 29120, "x", "metrics"), plane])
 
 
 def test_plan_text_shows_the_table(capsys):
