@@ -1,7 +1,8 @@
 """Memory planner: what each server of a plan holds in GPU and host memory, and whether the plan's
 --max-running-requests fits.
 
-Pure Python over the plan JSON (architecture.md); the constants and where each comes from are in
+Pure Python over the plan JSON (docs/architecture.md): the resolver annotates every plan with it
+(servers[].memory), `k31 calc` asks it with more options. The constants and where each comes from are in
 data/memory.yaml. Figures are per GPU unless their name says per server or per node. A server with
 attention DP runs DP workers, each with its own pools; SGLang sizes the pools per worker.
 

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("plan", help="resolve the recipe for an inventory (or placeholders) and print it")
     add_plan_args(p)
-    p.add_argument("--json", action="store_true", help="the plan as JSON (the contract in architecture.md)")
+    p.add_argument("--json", action="store_true", help="the plan as JSON (the contract in docs/architecture.md)")
     p.add_argument("--deploy", action="store_true", help="check as a deploy would (refuses placeholder images)")
     p.set_defaults(func=cmd_plan)
 

@@ -1,4 +1,10 @@
-"""Turning resolved servers into the exact command lines and environments each process runs."""
+"""The command lines and environments the plan carries: each engine rank's argv and env, the router's or
+Dynamo frontend's, and the Mooncake master's.
+
+Called by the resolver only, with its private _Resolver (a known debt, docs/architecture.md). A rank's argv
+is the exact engine command line; the router's gets what its role adds at start (the API key through
+k31-secret-exec, the launch_router startup timeout).
+"""
 
 from __future__ import annotations
 

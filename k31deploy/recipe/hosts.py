@@ -1,6 +1,6 @@
 """The host layout a plan is resolved against: inventory hosts, or placeholders when there is none.
 
-Inventory contract (architecture.md): groups k31_unified / k31_prefill / k31_decode (engines),
+Inventory contract (docs/architecture.md): groups k31_unified / k31_prefill / k31_decode (engines),
 k31_router, k31_mooncake_master, k31_monitoring; host var `k31_server` groups hosts into one multi-node server
 (default: the host name), `k31_node_rank` orders them (default: inventory order).
 """

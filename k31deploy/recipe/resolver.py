@@ -1,7 +1,11 @@
 """resolve(knobs, hosts) -> plan: the only place the recipe's rules are applied.
 
-Pure and deterministic: no Ansible, no I/O beyond reading the catalog. Every refusal is a
-K31Error with one sentence naming the setting and the valid choices.
+No Ansible, nothing written. It reads the data under k31deploy/data (catalog, knobs, flags, memory, the
+engine dump and lane record) and, for an inventory, the roles' meta/argument_specs.yml (role variables,
+recipe.hosts); with resolve_names=True (a deploy) it also looks host names up in DNS. Otherwise the same
+input gives the same plan. The plan is built here with argv.py (command lines and env), ports.py (the port
+table), engine.lane (engine_check) and memory (servers[].memory); its contract is in docs/architecture.md.
+Every refusal is a K31Error with one sentence naming the setting and the valid choices.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sandbox's Ansible inventory (inventory contract in architecture.md) and its known_hosts."""
+"""The sandbox's Ansible inventory (inventory contract in docs/architecture.md) and its known_hosts."""
 
 from __future__ import annotations
 
