@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import sys
 import tarfile
 from pathlib import Path
@@ -46,7 +47,10 @@ def write_bundle(dest: Path) -> tuple[bool, str]:
     if dest.exists() and dest.read_bytes() == content:
         return False, digest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(content)
+    # Whole or not at all: a deploy running beside this one may be copying the bundle to its hosts.
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    tmp.write_bytes(content)
+    os.replace(tmp, dest)
     return True, digest
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import platform
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -211,8 +211,18 @@ def build(
         else:
             say(f"wheelhouse {set_name} ({arch}): all {len(pins)} pinned wheels present, nothing downloaded")
         for name in requirement_files(set_name):
-            shutil.copyfile(DATA_DIR / name, dest / name)
+            _copy_whole(DATA_DIR / name, dest / name)
     return dest
+
+
+def _copy_whole(src: Path, dest: Path) -> None:
+    """Copy unless identical, through a temporary file: a deploy beside this build may be reading it."""
+    data = src.read_bytes()
+    if dest.exists() and dest.read_bytes() == data:
+        return
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, dest)
 
 
 def check_python(python: str) -> None:
