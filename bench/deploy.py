@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Deploy benchmark on the sandbox: fresh deploy, no-op re-run, and fan-out over 2, 8 and 16 hosts.
+"""Deploy benchmark on the sandbox: fresh deploy, no-op re-run, one-decode redeploy, and fan-out over 2, 8
+and 16 hosts.
 
     .venv/bin/python bench/deploy.py [--sizes 2 8 16] [--json]
 
 Reports wall times and the ratios that matter on a noisy machine: no-op / fresh (how cheap a
 re-run is) and N hosts / 2 hosts (1.0 would be perfect fan-out: servers start concurrently and
-health gates wait in parallel). Sandboxes are named bench-* and removed afterwards.
+health gates wait in parallel), and the tool's own cost per server of `k31 redeploy decode0` on the 1P1D
+(it restarts decode0, then prefill0 by the seed's PD rule): its wall time less each engine's own
+restart-to-healthy time (systemctl restart until /health answers, timed on the node), divided by the two
+servers. Sandboxes are named bench-* and removed afterwards.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -50,6 +56,45 @@ def deploy(inventory: str) -> float:
     return seconds
 
 
+# On a node: restart one engine unit and time it until its /health answers (the engine's own restart cost).
+RESTART = """
+import subprocess, sys, time, urllib.request
+unit, url = sys.argv[1], sys.argv[2]
+began = time.monotonic()
+subprocess.run(["systemctl", "restart", unit], check=True)
+while True:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            if resp.status == 200:
+                break
+    except OSError:
+        pass
+    time.sleep(0.05)
+print(round(time.monotonic() - began, 2))
+"""
+
+
+def engine_restart_s(sandbox_name: str, host: str, unit: str, url: str) -> float:
+    out = run("podman", "exec", f"k31-{sandbox_name}-{host}", "python3", "-c", RESTART, unit, url)
+    return float(out.strip())
+
+
+def redeploy_overhead(sandbox_name: str, inventory: str) -> dict[str, float]:
+    """`k31 redeploy decode0` wall time and the engines' own restart-to-healthy times (prefill first: a decode's
+    restart makes the watcher restart the prefill, which must be over before the redeploy starts)."""
+    nodes = yaml.safe_load(Path(inventory).read_text())["all"]["children"]
+    address = {h: v["ansible_host"] for g in nodes.values() for h, v in (g or {}).get("hosts", {}).items()}
+    engines = {"prefill0": 30000, "decode0": 30100}
+    own = {}
+    for host, port in engines.items():
+        own[host] = engine_restart_s(sandbox_name, host, f"k31-{host}-r0", f"http://{address[host]}:{port}/health")
+    time.sleep(15)    # the watcher's prefill restart after decode0's, and the router's health checks, settle
+    wall = timed(str(BIN / "k31"), "redeploy", "decode0", "-i", inventory)
+    print(f"bench: k31 redeploy decode0 took {wall} s; engines' own restarts: {own}", file=sys.stderr, flush=True)
+    return {"redeploy_1p1d_s": wall, "engine_restart_s": round(sum(own.values()), 2),
+            "redeploy_overhead_s": round((wall - sum(own.values())) / len(own), 1)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 8, 16])
@@ -61,6 +106,7 @@ def main() -> int:
         inventory = sandbox("bench-pd", "--shape", "mi355x-1p1d")
         results["fresh_1p1d_s"] = deploy(inventory)
         results["noop_1p1d_s"] = deploy(inventory)
+        overhead = redeploy_overhead("bench-pd", inventory)
         down("bench-pd")
         for n in args.sizes:
             inventory = sandbox(f"bench-{n}", "--nodes", str(n))
@@ -71,7 +117,9 @@ def main() -> int:
             subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, capture_output=True,
                            check=False)
     base = results[f"fanout_{args.sizes[0]}_s"]
+    results.update({k: v for k, v in overhead.items() if k != "redeploy_overhead_s"})
     ratios = {"noop_over_fresh": round(results["noop_1p1d_s"] / results["fresh_1p1d_s"], 2),
+              "redeploy_overhead_s": overhead["redeploy_overhead_s"],
               **{f"fanout_{n}_over_{args.sizes[0]}": round(results[f"fanout_{n}_s"] / base, 2)
                  for n in args.sizes[1:]}}
     if args.json:
