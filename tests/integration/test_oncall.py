@@ -29,6 +29,7 @@ import http.server
 import ipaddress
 import json
 import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -128,6 +129,13 @@ class Cluster:
         return set(self.workers()) == want and all(self.workers().values())
 
 
+def running(url):
+    """The engine's running requests (SGLang's num_running_reqs gauge on its open /metrics)."""
+    found = re.findall(r"^sglang:num_running_reqs(?:\{[^}]*\})? (\S+)$", httpx.get(url + "/metrics", timeout=3).text,
+                       re.MULTILINE)
+    return sum(float(v) for v in found)
+
+
 def serve_all(cluster, n=24):
     """n short requests through the router from 4 sessions at once: the non-complete ones (empty when all served)."""
     report = cluster.load(sessions=4, turns=3, max_requests=n, deadline=120, max_tokens=16).run()
@@ -179,6 +187,9 @@ def test_a_decode_killed_mid_stream_truncates_its_streams_and_the_fleet_recovers
     before = {h: unit(h, f"k31-{h}-r0") for h in ("decode0", "prefill0", "prefill1")}
     with cluster.load() as load:
         time.sleep(6)    # every session has a stream in flight (each lasts about 4 s)
+        # ... but the router may have put them all on decode1 just now: strike while decode0 streams.
+        wait_for("decode0 to be streaming", lambda: running(cluster.url("decode0", 30100)) > 0, timeout=60,
+                 interval=0.1)
         t0 = time.monotonic()
         killed_at = load.report().elapsed
         sh("decode0", "kill -9 $(systemctl show -p MainPID --value k31-decode0-r0)")
