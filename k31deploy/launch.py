@@ -68,6 +68,7 @@ def env_from_files(mapping: dict[str, str] | None) -> list[str]:
 
 # Installed by the k31_engine role (roles/k31_engine/files/k31-request-port).
 REQUEST_PORT_PICKER = "/usr/local/lib/k31/k31-request-port"
+REQUEST_PORT_ENV = "DYN_TCP_RPC_PORT"
 
 
 def start_env(rank: dict[str, Any]) -> list[str]:
@@ -84,11 +85,11 @@ def start_env(rank: dict[str, Any]) -> list[str]:
         raise K31Error(f"{rank['unit']}: request_plane_ports {ports} is not valid; valid: [first, last] with "
                        f"1 <= first <= last <= 65535")
     pick = shlex.join([REQUEST_PORT_PICKER, rank["unit"], rank["address"], str(first), str(last)])
-    return [f'DYN_TCP_RPC_PORT="$({pick})"; export DYN_TCP_RPC_PORT']
+    return [f'{REQUEST_PORT_ENV}="$({pick})"; export {REQUEST_PORT_ENV}']
 
 
 def start_env_names(rank: dict[str, Any]) -> list[str]:
-    return ["DYN_TCP_RPC_PORT"] if rank.get("request_plane_ports") else []
+    return [REQUEST_PORT_ENV] if rank.get("request_plane_ports") else []
 
 
 def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, env_file: str,
