@@ -112,3 +112,13 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
     # Canary decode first, then the other, then the prefills (the seed's rule: after the decodes).
     order = sorted(SERVERS, key=lambda s: after[(s, 0)][0])
     assert order[:2] == ["decode0", "decode1"] and set(order[2:]) == {"prefill0", "prefill1"}, order
+
+
+def test_teardown_removes_the_workers_request_port_records(cluster):
+    env, inventory = cluster
+    listed = "ls /var/lib/k31 | grep -c 'request-port$' || true"
+    assert int(node_sh(NAME, "decode0-t0", listed)) == 1    # one per rank of the host
+    proc = k31(env, "teardown", "--yes", "-i", str(inventory), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for host in ("decode0-t0", "decode0-t1", "prefill1-t0"):
+        assert int(node_sh(NAME, host, listed)) == 0, host
