@@ -6,12 +6,13 @@ the plan; every rule lives in k31deploy (catalog + resolver). Docs: `ansible-doc
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
 try:
-    from k31deploy import address, envfile, launch
+    from k31deploy import address, envfile, launch, stamp
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import config as monitoring
     from k31deploy.recipe import from_mapping, resolve
@@ -171,6 +172,29 @@ def k31_monitoring_ready_urls(plan: dict[str, Any], host: str) -> list[str]:
     return monitoring.ready_urls(plan, host)
 
 
+def k31_stamp_inputs(plan: dict[str, Any], hostvars: Any, hosts: list[str], playbook_dir: str,
+                     wheelhouse: str) -> str:
+    """The digest of a deploy's inputs (k31deploy.stamp): the plan, the hosts' k31_* variables, k31's code
+    (the project root above playbook_dir) and the wheelhouse's files."""
+    values: dict[str, dict[str, Any]] = {}
+    for host in hosts:
+        hv = hostvars[host]
+        values[host] = {}
+        for key in [k for k in hv if k.startswith("k31_")]:
+            try:
+                values[host][key] = hv[key]
+            except Exception as exc:  # a variable that does not template is still an input
+                values[host][key] = f"<{type(exc).__name__}>"
+    root = Path(playbook_dir).resolve()
+    root = root.parent if root.name == "playbooks" else root
+    return stamp.inputs_digest(plan, values, root, Path(wheelhouse))
+
+
+def k31_stamp_settled(reads: dict[str, Any], inputs: str) -> dict[str, Any]:
+    """Whether every host is as the last whole deploy left it: {settled, why} (k31deploy.stamp)."""
+    return stamp.settled(reads, inputs)
+
+
 class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
@@ -180,4 +204,5 @@ class FilterModule:
                 "k31_url": k31_url, "k31_host_port": k31_host_port, "k31_env_from_files": k31_env_from_files,
                 "k31_start_env": k31_start_env,
                 "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
-                "k31_monitoring_ready_urls": k31_monitoring_ready_urls}
+                "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
+                "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled}

@@ -60,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                            help="role or server names to redeploy (passed as k31_redeploy_targets; all when omitted)")
             p.add_argument("--batch", type=positive_int, metavar="N",
                            help="servers restarted at a time (passed as k31_redeploy_batch)")
+        if command == "deploy":
+            p.add_argument("--full", action="store_true",
+                           help="run every host play even when every host is as its last deploy left it "
+                                "(k31_stamp_check=false)")
         if command == "teardown":
             p.add_argument("--yes", action="store_true", help="confirm the teardown (k31_teardown_confirm=true)")
         p.set_defaults(func=cmd_run, k31_command=command)
@@ -74,6 +78,8 @@ def k31_vars(args: argparse.Namespace) -> dict[str, object]:
         out["k31_redeploy_batch"] = args.batch
     if getattr(args, "yes", False):
         out["k31_teardown_confirm"] = True
+    if getattr(args, "full", False):
+        out["k31_stamp_check"] = False
     return out
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 import re
 
 KEYS = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
-RECAP = re.compile(r"^(\S+)\s+: " + r"\s+".join(rf"{k}=(\d+)" for k in KEYS), re.M)
+# ansible-playbook's recap line, or the k31 live view's (the same counts in another order).
+RECAP = re.compile(r"^(\S+)\s+: ((?:\s*\w+=\d+)+)\s*$", re.M)
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
     """Every host's counts, from the recap lines of `output` (the last recap wins for a host)."""
-    return {m[0]: dict(zip(KEYS, map(int, m[1:]), strict=True)) for m in RECAP.findall(output)}
+    out = {}
+    for host, counts in RECAP.findall(output):
+        values = dict(pair.split("=") for pair in counts.split())
+        if set(KEYS) <= set(values):
+            out[host] = {k: int(values[k]) for k in KEYS}
+    return out
 
 
 def changed(output: str) -> dict[str, int]:

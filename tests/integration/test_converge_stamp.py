@@ -1,0 +1,86 @@
+"""A deploy that would change nothing skips the host plays, and one that would change something runs whole
+(roles/k31_stamp, k31deploy/stamp.py), on the sandbox 1P1D with the real `k31 deploy`.
+
+Asserted: the first deploy records a stamp on every host (0600); the next one takes the short path (no host task
+beyond the stamp read, smoke still passes, changed=0) and is several times faster; a hand edit on one host and a
+stopped unit on another make the next deploy whole, name both hosts, and repair both; `--check` on a settled fleet
+predicts nothing; `k31 deploy --full` runs every play anyway and changes nothing.
+
+Needs root, podman, runc and debootstrap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from recaps import changed, recap
+from sandbox_cli import cli_env, k31, node_sh
+
+pytestmark = pytest.mark.integration
+
+NAME = f"stamp-{os.getpid()}"
+SHORT = "every host is as its last whole deploy left it"
+HOSTS = ("prefill0", "decode0", "router0")
+SMOKE = "localhost | Run the smoke checks (models, chat, stream, reasoning, tool call) | ok"
+ENGINE_GATE = "Wait for rank 0 to answer /health"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    env = cli_env(tmp_path_factory.mktemp("state"))
+    proc = k31(env, "sandbox", "up", "--shape", "mi355x-1p1d", "--name", NAME)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        yield env, Path(proc.stdout.strip().splitlines()[-1])
+    finally:
+        k31(env, "sandbox", "down", "--name", NAME)
+
+
+def deploy(env, inventory, *args):
+    began = time.monotonic()
+    proc = k31(env, "deploy", "-i", str(inventory), *args, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout, time.monotonic() - began
+
+
+def test_a_deploy_that_would_change_nothing_skips_the_host_plays_and_drift_makes_it_whole(cluster):
+    env, inventory = cluster
+    out, fresh_s = deploy(env, inventory)
+    assert SHORT not in out and "no record of a whole deploy" in out
+    for host in HOSTS:
+        stamp = json.loads(node_sh(NAME, host, "cat /var/lib/k31/converged.json"))
+        assert set(stamp) == {"inputs", "state"}, stamp
+        assert node_sh(NAME, host, "stat -c %a /var/lib/k31/converged.json").strip() == "600"
+
+    out, short_s = deploy(env, inventory)
+    assert SHORT in out, out[-3000:]
+    assert set(HOSTS) <= set(changed(out)) and not any(changed(out).values()), changed(out)
+    assert SMOKE in out                           # the smoke checks still run through the router
+    assert ENGINE_GATE not in out
+    assert all(recap(out)[h]["ok"] <= 5 for h in HOSTS), recap(out)
+    print(f"fresh deploy {fresh_s:.1f} s, short no-op {short_s:.1f} s ({short_s / fresh_s:.2f})")
+    assert short_s < fresh_s / 3
+
+    out = deploy(env, inventory, "--check")[0]
+    assert SHORT in out and set(HOSTS) <= set(changed(out)) and not any(changed(out).values())
+
+    # Drift on two hosts: a hand edit of an env file, a stopped router. The next deploy is whole and repairs both.
+    env_file = "/etc/k31/k31-prefill0-r0.env"
+    node_sh(NAME, "prefill0", f"echo '# hand edit' >> {env_file}")
+    node_sh(NAME, "router0", "systemctl stop k31-router")
+    out = deploy(env, inventory)[0]
+    assert SHORT not in out
+    for host in ("prefill0", "router0"):
+        assert f"{host}: its files, units or firewall changed since its last whole deploy" in out
+    assert "decode0: its files" not in out
+    assert "hand edit" not in node_sh(NAME, "prefill0", f"cat {env_file}")
+    assert node_sh(NAME, "router0", "systemctl is-active k31-router").strip() == "active"
+
+    assert SHORT in deploy(env, inventory)[0]
+    out = deploy(env, inventory, "--full")[0]
+    assert SHORT not in out and "k31_stamp_check is false" in out and ENGINE_GATE in out
+    assert set(HOSTS) <= set(changed(out)) and not any(changed(out).values()), changed(out)
