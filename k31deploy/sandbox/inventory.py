@@ -60,7 +60,10 @@ def sandbox_secrets(directory: Path, router: str) -> dict[str, str]:
     (directory / "client").mkdir(mode=0o700, exist_ok=True)
     files = {"client/ca.crt": ca.cert, "client/client.crt": client.cert, "client/client.key": client.key}
     if router != "dynamo":
-        data["k31_router_api_key"] = secrets_.token_urlsafe(24)
+        key = secrets_.token_urlsafe(24)
+        while key.startswith("-"):    # SGLang reads its --config file as arguments: "-..." would be an option
+            key = secrets_.token_urlsafe(24)
+        data["k31_router_api_key"] = key
         files["router-api-key"] = data["k31_router_api_key"] + "\n"
     for name, text in {**files, "secrets.yml": yaml.safe_dump(data)}.items():    # secrets.yml last: it says done
         fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -117,3 +117,14 @@ def test_sandbox_secrets_are_the_credentials_its_endpoint_takes_made_once_and_pr
     # a client certificate for the Dynamo frontend, Prometheus and Alertmanager
     assert pki.renewal_reason((tmp_path / "client/client.crt").read_text(), data["k31_pki_ca_cert"],
                               ["k31-sandbox-client"]) is None
+
+
+def test_a_sandbox_router_key_never_starts_with_a_dash(tmp_path, monkeypatch):
+    # One token in 64 starts with '-'; SGLang would read that key, from the engines' --config file, as an option.
+    import secrets
+
+    from k31deploy.sandbox.inventory import sandbox_secrets
+
+    tokens = iter(["-starts-with-a-dash", "--again", "Rk-fine"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(tokens))
+    assert sandbox_secrets(tmp_path, "sglang")["k31_router_api_key"] == "Rk-fine"

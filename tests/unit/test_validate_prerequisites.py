@@ -95,6 +95,17 @@ def test_a_router_key_that_does_not_resolve_to_one_line_is_refused(value, senten
     assert check(plan, hostvars, ["secrets"])[0] == sentence
 
 
+@pytest.mark.parametrize("var", ["k31_router_api_key", "k31_engine_api_key"])
+def test_an_api_key_that_sglang_would_read_as_an_option_is_refused(var):
+    # The engines' keys reach SGLang through their --config file, which SGLang turns into arguments.
+    plan = resolve(PD)
+    hostvars = cluster(plan, {"k31_router_api_key": "rk-1234567"}, node0={var: "-Rk2x9"})
+    assert check(plan, hostvars, ["secrets"])[0] == (
+        f"{var} on node0 starts with '-': the engines' --config file becomes SGLang's arguments, where the key "
+        f"would read as an option; give a key that does not start with '-'")
+    assert check(plan, cluster(plan, {"k31_router_api_key": "rk-1234567", var: "Rk-2x9"}), ["secrets"]) == []
+
+
 def test_the_cluster_ca_is_checked_for_its_pem_shape_not_for_line_breaks():
     plan = resolve(PD)
     good = cluster(plan, {"k31_router_api_key": "rk-1234567", "k31_pki_ca_cert": PEM_CERT, "k31_pki_ca_key": PEM_KEY})

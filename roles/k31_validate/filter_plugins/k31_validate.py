@@ -140,6 +140,10 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
             elif CONTROL.search(value):
                 problems.add(f"{var} on {{hosts}} holds a control character (a line break?); a secret must be one "
                              f"line", host.name)
+            elif var.endswith("_api_key") and value.startswith("-"):
+                problems.add(f"{var} on {{hosts}} starts with '-': the engines' --config file becomes SGLang's "
+                             f"arguments, where the key would read as an option; give a key that does not start with "
+                             f"'-'", host.name)
             elif var == "k31_router_api_key":
                 keys[host.name] = value
     router = plan.get("router") or {}
