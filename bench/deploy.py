@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Deploy benchmark on the sandbox: fresh deploy, no-op re-run, one-decode redeploy, and fan-out over 2, 8
-and 16 hosts.
+"""Deploy benchmark on the sandbox: fresh deploy, no-op re-run (the converge stamp's short path, and the whole
+deploy with --full), one-decode redeploy, and fan-out over 2, 8 and 16 hosts.
 
     .venv/bin/python bench/deploy.py [--sizes 2 8 16] [--json]
 
@@ -28,8 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+STRATEGY: dict[str, str] = {}    # --mitogen: Ansible's strategy and where its plugin lives
+
+
 def run(*argv: str) -> str:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+           **STRATEGY}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -50,9 +54,10 @@ def down(name: str) -> None:
     run(str(BIN / "k31"), "sandbox", "down", "--name", name)
 
 
-def deploy(inventory: str) -> float:
-    seconds = timed(str(BIN / "ansible-playbook"), "deploy.yml", "-i", inventory)
-    print(f"bench: deploy of {Path(inventory).parent.name} took {seconds} s", file=sys.stderr, flush=True)
+def deploy(inventory: str, *args: str) -> float:
+    seconds = timed(str(BIN / "ansible-playbook"), "deploy.yml", "-i", inventory, *args)
+    print(f"bench: deploy {' '.join(args)} of {Path(inventory).parent.name} took {seconds} s", file=sys.stderr,
+          flush=True)
     return seconds
 
 
@@ -99,29 +104,41 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 8, 16])
     p.add_argument("--json", action="store_true")
+    p.add_argument("--mitogen", action="store_true", help="run every playbook under Mitogen's linear strategy")
+    p.add_argument("--skip", nargs="*", default=[], choices=["pd", "fanout"], help="parts not to run")
     args = p.parse_args()
+    if args.mitogen:
+        from k31deploy.runner.driver import mitogen_env
+
+        STRATEGY.update(mitogen_env())
     run(str(BIN / "k31"), "wheelhouse", "build", "--set", "all")
     results: dict[str, float] = {}
+    ratios: dict[str, float] = {}
     try:
-        inventory = sandbox("bench-pd", "--shape", "mi355x-1p1d")
-        results["fresh_1p1d_s"] = deploy(inventory)
-        results["noop_1p1d_s"] = deploy(inventory)
-        overhead = redeploy_overhead("bench-pd", inventory)
-        down("bench-pd")
-        for n in args.sizes:
-            inventory = sandbox(f"bench-{n}", "--nodes", str(n))
-            results[f"fanout_{n}_s"] = deploy(inventory)
-            down(f"bench-{n}")
+        if "pd" not in args.skip:
+            inventory = sandbox("bench-pd", "--shape", "mi355x-1p1d")
+            results["fresh_1p1d_s"] = deploy(inventory)
+            results["noop_1p1d_s"] = deploy(inventory)
+            # The same re-run without the converge stamp's short path (k31 deploy --full): every host play runs.
+            results["noop_full_1p1d_s"] = deploy(inventory, "-e", "k31_stamp_check=false")
+            overhead = redeploy_overhead("bench-pd", inventory)
+            down("bench-pd")
+            results.update({k: v for k, v in overhead.items() if k != "redeploy_overhead_s"})
+            ratios.update({"noop_over_fresh": round(results["noop_1p1d_s"] / results["fresh_1p1d_s"], 2),
+                           "noop_full_over_fresh": round(results["noop_full_1p1d_s"] / results["fresh_1p1d_s"], 2),
+                           "redeploy_overhead_s": overhead["redeploy_overhead_s"]})
+        if "fanout" not in args.skip:
+            for n in args.sizes:
+                inventory = sandbox(f"bench-{n}", "--nodes", str(n))
+                results[f"fanout_{n}_s"] = deploy(inventory)
+                down(f"bench-{n}")
+            base = results[f"fanout_{args.sizes[0]}_s"]
+            ratios.update({f"fanout_{n}_over_{args.sizes[0]}": round(results[f"fanout_{n}_s"] / base, 2)
+                           for n in args.sizes[1:]})
     finally:
         for name in ["bench-pd", *(f"bench-{n}" for n in args.sizes)]:
             subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, capture_output=True,
                            check=False)
-    base = results[f"fanout_{args.sizes[0]}_s"]
-    results.update({k: v for k, v in overhead.items() if k != "redeploy_overhead_s"})
-    ratios = {"noop_over_fresh": round(results["noop_1p1d_s"] / results["fresh_1p1d_s"], 2),
-              "redeploy_overhead_s": overhead["redeploy_overhead_s"],
-              **{f"fanout_{n}_over_{args.sizes[0]}": round(results[f"fanout_{n}_s"] / base, 2)
-                 for n in args.sizes[1:]}}
     if args.json:
         print(json.dumps({"seconds": results, "ratios": ratios}, indent=2))
     else:

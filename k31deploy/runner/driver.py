@@ -71,6 +71,7 @@ class RunRequest:
     verbosity: int = 0
     vault_password_files: list[str] = field(default_factory=list)
     vault_password: str | None = field(default=None, repr=False)
+    mitogen: bool = False    # Mitogen's linear strategy (mitogen_env)
 
 
 @dataclass
@@ -119,6 +120,19 @@ def _host_key_checking(cfg: Path) -> str:
     parser = configparser.ConfigParser()
     parser.read(cfg)
     return parser.get("defaults", "host_key_checking", fallback="True")
+
+
+def mitogen_env() -> dict[str, str]:
+    """Ansible settings that run a playbook under Mitogen's linear strategy (PyPI mitogen): one persistent
+    interpreter per host instead of a Python start and module upload per task. Same plays, same results; on the
+    sandbox a fresh 4-host deploy took about 0.4x the time (README, Deploy)."""
+    try:
+        import ansible_mitogen
+    except ImportError:
+        raise K31Error("--mitogen needs the mitogen package in k31's venv (pip install -e '.[mitogen]'); "
+                       "without it, leave --mitogen out") from None
+    return {"ANSIBLE_STRATEGY_PLUGINS": str(Path(ansible_mitogen.__file__).parent / "plugins" / "strategy"),
+            "ANSIBLE_STRATEGY": "mitogen_linear"}
 
 
 def runner_env(root: Path) -> dict[str, str]:
@@ -205,7 +219,7 @@ def run(req: RunRequest, view: View, cancel: threading.Event | None = None) -> R
     inventories = inventory_paths(req.inventories)
     args = cmdline_args(req)
     keep = records.keep_runs()
-    env = runner_env(root)
+    env = {**runner_env(root), **(mitogen_env() if req.mitogen else {})}
     # Runs whose driver was killed (SIGKILL) before its own scrub are scrubbed before anything else.
     records.scrub_leftovers(records.runs_dir(), set(env))
     run_dir = records.new_run_dir(req.command)

@@ -3,8 +3,8 @@
 
 Asserted: the first deploy records a stamp on every host (0600); the next one takes the short path (no host task
 beyond the stamp read, smoke still passes, changed=0) and is several times faster; a hand edit on one host and a
-stopped unit on another make the next deploy whole, name both hosts, and repair both; `--check` on a settled fleet
-predicts nothing; `k31 deploy --full` runs every play anyway and changes nothing.
+stopped unit on another make the next deploy whole (run under `--mitogen`), name both hosts, and repair both;
+`--check` on a settled fleet predicts nothing; `k31 deploy --full` runs every play anyway and changes nothing.
 
 Needs root, podman, runc and debootstrap.
 """
@@ -72,7 +72,7 @@ def test_a_deploy_that_would_change_nothing_skips_the_host_plays_and_drift_makes
     env_file = "/etc/k31/k31-prefill0-r0.env"
     node_sh(NAME, "prefill0", f"echo '# hand edit' >> {env_file}")
     node_sh(NAME, "router0", "systemctl stop k31-router")
-    out = deploy(env, inventory)[0]
+    out = deploy(env, inventory, "--mitogen")[0]      # the whole deploy under Mitogen's strategy, through k31
     assert SHORT not in out
     for host in ("prefill0", "router0"):
         assert f"{host}: its files, units or firewall changed since its last whole deploy" in out

@@ -345,3 +345,28 @@ def test_bad_options_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse(*argv)
     assert exc.value.code == 2
+
+
+def test_mitogen_runs_the_playbook_under_its_linear_strategy():
+    env = driver.mitogen_env()
+    assert env["ANSIBLE_STRATEGY"] == "mitogen_linear"
+    assert (Path(env["ANSIBLE_STRATEGY_PLUGINS"]) / "mitogen_linear.py").is_file()
+    parser = argparse.ArgumentParser()
+    ops.add_run_args(parser)
+    assert parser.parse_args(["-i", "x", "--mitogen"]).mitogen is True
+    assert parser.parse_args(["-i", "x"]).mitogen is False
+
+
+def test_mitogen_missing_is_one_sentence(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mitogen(name, *args, **kwargs):
+        if name == "ansible_mitogen":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mitogen)
+    with pytest.raises(K31Error, match=r"^--mitogen needs the mitogen package in k31's venv"):
+        driver.mitogen_env()
