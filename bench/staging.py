@@ -68,25 +68,19 @@ def reset(containers: list[str]) -> None:
         lambda ctr: staging_sandbox.node_sh(ctr, f"rm -rf {DEST} /var/lib/k31/verified"), containers)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--mb", type=int, default=512, help="synthetic model size in MiB")
-    p.add_argument("--rate", default="100mbit", help="tc tbf rate on every node's eth0")
-    p.add_argument("--name", default="bench-stage")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+def measure(sizes: list[int], mb: int, rate: str, name: str = "bench-stage") -> dict:
+    """{seconds, ratios, rerun_changed, setup} for naive and tree staging to each of `sizes` hosts."""
     results: dict[str, float] = {}
     changed: dict[str, int] = {}
     try:
-        inventory = run(str(BIN / "k31"), "sandbox", "up", "--name", args.name, "--nodes",
-                        str(max(args.sizes))).strip().splitlines()[-1]
-        containers = staging_sandbox.nodes(args.name)
-        hosts = [c.removeprefix(f"k31-{args.name}-") for c in containers]
-        staging_sandbox.peer_ssh(args.name)
-        staging_sandbox.make_model(containers[0], SEED_DIR, args.mb)
-        staging_sandbox.shape_links(args.name, args.rate)
-        for n in args.sizes:
+        inventory = run(str(BIN / "k31"), "sandbox", "up", "--name", name, "--nodes",
+                        str(max(sizes))).strip().splitlines()[-1]
+        containers = staging_sandbox.nodes(name)
+        hosts = [c.removeprefix(f"k31-{name}-") for c in containers]
+        staging_sandbox.peer_ssh(name)
+        staging_sandbox.make_model(containers[0], SEED_DIR, mb)
+        staging_sandbox.shape_links(name, rate)
+        for n in sizes:
             for fanout, label in (("seed", "naive"), ("tree", "tree")):
                 reset(containers)
                 wall, _ = stage(inventory, hosts[:n], fanout)
@@ -98,16 +92,29 @@ def main() -> int:
                 print(f"bench: staging {key}: {wall} s, re-run {rerun} s (changed={changed[key]})",
                       file=sys.stderr, flush=True)
     finally:
-        subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", args.name], cwd=ROOT, env=env(),
+        subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, env=env(),
                        capture_output=True, check=False)
     ratios = {f"staging_tree_over_naive_{n}": round(results[f"staging_tree_{n}_s"] / results[f"staging_naive_{n}_s"], 2)
-              for n in args.sizes}
-    report = {"seconds": results, "ratios": ratios, "rerun_changed": changed,
-              "setup": {"mb": args.mb, "rate": args.rate, "sizes": args.sizes}}
+              for n in sizes}
+    return {"seconds": results, "ratios": ratios, "rerun_changed": changed,
+            "setup": {"mb": mb, "rate": rate, "sizes": sizes}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--mb", type=int, default=512, help="synthetic model size in MiB")
+    p.add_argument("--rate", default="100mbit", help="tc tbf rate on every node's eth0")
+    p.add_argument("--name", default="bench-stage")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    report = measure(args.sizes, args.mb, args.rate, args.name)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        for key, value in {**results, **ratios, **{f"rerun_changed_{k}": v for k, v in changed.items()}}.items():
+        rows = {**report["seconds"], **report["ratios"],
+                **{f"rerun_changed_{k}": v for k, v in report["rerun_changed"].items()}}
+        for key, value in rows.items():
             print(f"{key:32} {value}")
     return 0
 
