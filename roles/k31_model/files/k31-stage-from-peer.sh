@@ -1,0 +1,48 @@
+# k31_model_fanout=tree, one host's job (run as `sh -c` by tree.yml; nothing is installed on the host):
+#   SSH_COMMAND SOURCE WAIT VERIFY TIMEOUT STATE_FILE [SRC DEST MANIFEST STAMP]...
+# SOURCE is the source host's address ('' copies locally: the seed's own copy). With WAIT=yes it first waits,
+# in one SSH session, until the source's STATE_FILE says ok (its copy verified). Then each SRC/ is rsynced into
+# DEST/ (--partial: an interrupted copy resumes) and checked: VERIFY=sha256 runs `sha256sum --check MANIFEST` in
+# DEST and records the manifest's hash in STAMP; size compares sizes with the source. STATE_FILE says `ok` only
+# after every check passed, else `failed: why`.
+set -u
+ssh_command=$1 source=$2 wait=$3 verify=$4 limit=$5 state=$6
+shift 6
+fail() {
+  echo "failed: $*" > "$state"
+  echo "$*" >&2
+  exit 1
+}
+mkdir -p "$(dirname "$state")" /var/lib/k31/verified || fail "cannot write $(dirname "$state")"
+if [ "$wait" = yes ]; then
+  # shellcheck disable=SC2086  # the SSH command's words, as rsync -e splits them
+  got=$(timeout "$limit" $ssh_command "$source" \
+        "while [ ! -s '$state' ]; do sleep 0.5; done; cat '$state'") || fail "no answer from its source $source"
+  [ "$got" = ok ] || fail "its source $source has no verified copy ($got)"
+fi
+while [ $# -ge 4 ]; do
+  src=$1 dest=$2 manifest=$3 stamp=$4
+  shift 4
+  if [ -n "$source" ]; then
+    from="$source:$src/"
+    rsync -ai --partial --mkpath -e "$ssh_command" "$from" "$dest/" || fail "rsync from $from failed"
+  else
+    from="$src/"
+    rsync -ai --partial --mkpath "$from" "$dest/" || fail "rsync from $from failed"
+  fi
+  case $verify in
+    sha256)
+      (cd "$dest" && sha256sum --quiet --check "$manifest") || fail "$dest does not match $manifest"
+      sha256sum < "$manifest" > "$stamp" || fail "cannot write $stamp"
+      ;;
+    size)
+      if [ -n "$source" ]; then
+        differ=$(rsync -ain --size-only -e "$ssh_command" "$from" "$dest/" | grep -E '^[<>ch.]f')
+      else
+        differ=$(rsync -ain --size-only "$from" "$dest/" | grep -E '^[<>ch.]f')
+      fi
+      [ -z "$differ" ] || fail "$dest differs in size from $from: $differ"
+      ;;
+  esac
+done
+echo ok > "$state"
