@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,51 @@ def test_fanout_knob_is_validated_with_its_choices():
         resolve(pd, pd_hosts(k31_model_fanout="chain"))
     for ok in ("tree", "seed"):
         assert resolve(pd, pd_hosts(k31_model_fanout=ok))
+
+
+SCRIPT = ROOT / "roles/k31_model/files/k31-stage-from-peer.sh"
+
+
+def stage_job(tmp_path, verify="sha256", wait="no", source=""):
+    import subprocess
+
+    src, dest, state = tmp_path / "src", tmp_path / "dest", tmp_path / "state" / "staging-state"
+    stamp = tmp_path / "verified" / "dest.sha256"
+    argv = ["sh", "-c", SCRIPT.read_text(), "k31-stage", "ssh -o BatchMode=yes", source, wait, verify, "5",
+            str(state), str(src), str(dest), str(dest / "SHA256SUMS"), str(stamp)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30), state, stamp
+
+
+def make_src(tmp_path):
+    import hashlib
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    files = {"model-00001.safetensors": b"w" * 1000, "sub/tokenizer.json": b"{}"}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    (src / "SHA256SUMS").write_text("".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n" for n, d in files.items()))
+    return src
+
+
+needs_rsync = pytest.mark.skipif(shutil.which("rsync") is None, reason="no rsync here (the nodes have it)")
+
+
+@needs_rsync
+def test_stage_job_copies_verifies_then_says_ok(tmp_path):
+    make_src(tmp_path)
+    done, state, stamp = stage_job(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert state.read_text() == "ok\n"
+    assert (tmp_path / "dest/sub/tokenizer.json").read_bytes() == b"{}"
+    assert stamp.is_file()
+
+
+@needs_rsync
+def test_stage_job_says_failed_on_a_bad_copy(tmp_path):
+    src = make_src(tmp_path)
+    (src / "sub/tokenizer.json").write_bytes(b"corrupt")    # the manifest no longer matches
+    done, state, stamp = stage_job(tmp_path)
+    assert done.returncode == 1
+    assert state.read_text().startswith("failed: ") and "does not match" in state.read_text()
+    assert not stamp.exists()

@@ -13,7 +13,7 @@ fail() {
   echo "$*" >&2
   exit 1
 }
-mkdir -p "$(dirname "$state")" /var/lib/k31/verified || fail "cannot write $(dirname "$state")"
+mkdir -p "$(dirname "$state")" || fail "cannot write $(dirname "$state")"
 if [ "$wait" = yes ]; then
   # shellcheck disable=SC2086  # the SSH command's words, as rsync -e splits them
   got=$(timeout "$limit" $ssh_command "$source" \
@@ -33,7 +33,7 @@ while [ $# -ge 4 ]; do
   case $verify in
     sha256)
       (cd "$dest" && sha256sum --quiet --check "$manifest") || fail "$dest does not match $manifest"
-      sha256sum < "$manifest" > "$stamp" || fail "cannot write $stamp"
+      mkdir -p "$(dirname "$stamp")" && sha256sum < "$manifest" > "$stamp" || fail "cannot write $stamp"
       ;;
     size)
       if [ -n "$source" ]; then
