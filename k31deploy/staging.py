@@ -16,7 +16,11 @@ from k31deploy.errors import K31Error
 
 
 def rounds(hosts: Iterable[str], seed: str, have: Iterable[str] = ()) -> dict[str, Any]:
-    """{rounds: n, hosts: {host: {round, source}}} for each host of `hosts` not in `have`.
+    """{rounds: n, hosts: {host: {round, source, after}}} for each host of `hosts` not in `have`.
+
+    Rounds need no barrier: a host starts once every host in its `after` has finished -- its source, where that
+    was staged in this run (it must hold a verified copy), and the host its source served in the round before
+    (a source serves one host at a time).
 
     `seed` holds the source directories (it may be one of `hosts`, or a host outside them); `have` are hosts
     whose copy already matches the seed's. The seed's own copy (seed in `hosts`, not in `have`) is a local
@@ -31,9 +35,10 @@ def rounds(hosts: Iterable[str], seed: str, have: Iterable[str] = ()) -> dict[st
         raise K31Error(f"hosts {', '.join(unknown)} are said to hold a copy but are not staging hosts")
     plan: dict[str, dict[str, Any]] = {}
     if seed in hosts and seed not in have:
-        plan[seed] = {"round": 1, "source": seed}
+        plan[seed] = {"round": 1, "source": seed, "after": []}
     holders = [seed, *(h for h in hosts if h in have and h != seed)]
     missing = [h for h in hosts if h not in have and h != seed]
+    last: dict[str, str] = {}    # the host each source served last
     n = 1 if plan else 0
     r = 0
     while missing:
@@ -42,7 +47,10 @@ def rounds(hosts: Iterable[str], seed: str, have: Iterable[str] = ()) -> dict[st
             if not missing:
                 break
             target = missing.pop(0)
-            plan[target] = {"round": r, "source": source}
+            after = [source] if source in plan and source != seed else []
+            after += [last[source]] if source in last else []
+            plan[target] = {"round": r, "source": source, "after": list(dict.fromkeys(after))}
+            last[source] = target
             holders.append(target)
         n = max(n, r)
     return {"rounds": n, "hosts": plan}

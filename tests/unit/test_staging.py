@@ -31,11 +31,13 @@ def test_seed_among_the_hosts_doubles_the_holders_each_round():
     got = rounds(hosts(8), "n0")
     assert got["rounds"] == 3
     assert got["hosts"] == {
-        "n0": {"round": 1, "source": "n0"},    # the seed's own copy is local
-        "n1": {"round": 1, "source": "n0"},
-        "n2": {"round": 2, "source": "n0"}, "n3": {"round": 2, "source": "n1"},
-        "n4": {"round": 3, "source": "n0"}, "n5": {"round": 3, "source": "n1"},
-        "n6": {"round": 3, "source": "n2"}, "n7": {"round": 3, "source": "n3"},
+        "n0": {"round": 1, "source": "n0", "after": []},    # the seed's own copy is local
+        "n1": {"round": 1, "source": "n0", "after": []},
+        # no barrier between rounds: a host starts after its source (staged in this run) and after the host its
+        # source served before it, so a source's link carries one copy at a time
+        "n2": {"round": 2, "source": "n0", "after": ["n1"]}, "n3": {"round": 2, "source": "n1", "after": ["n1"]},
+        "n4": {"round": 3, "source": "n0", "after": ["n2"]}, "n5": {"round": 3, "source": "n1", "after": ["n1", "n3"]},
+        "n6": {"round": 3, "source": "n2", "after": ["n2"]}, "n7": {"round": 3, "source": "n3", "after": ["n3"]},
     }
 
 
@@ -53,6 +55,7 @@ def test_about_log2_rounds_and_every_source_holds_a_copy_before_it_serves(n):
             step = got["hosts"][host]
             if host != seed:    # the seed serves its source directories from the start
                 assert done[step["source"]] < step["round"], (host, step)
+                assert all(done[h] < step["round"] for h in step["after"]), (host, step)
                 done[host] = step["round"]
         per_round = {}
         for host, step in got["hosts"].items():
@@ -65,14 +68,15 @@ def test_hosts_already_holding_a_copy_are_sources_from_the_first_round():
     got = rounds(hosts(8), "n0", have=["n0", "n5"])
     assert got["rounds"] == 2
     assert "n5" not in got["hosts"] and "n0" not in got["hosts"]
-    assert got["hosts"]["n1"] == {"round": 1, "source": "n0"}
-    assert got["hosts"]["n2"] == {"round": 1, "source": "n5"}
+    assert got["hosts"]["n1"] == {"round": 1, "source": "n0", "after": []}
+    assert got["hosts"]["n2"] == {"round": 1, "source": "n5", "after": []}    # n5 held a verified copy already
+    assert got["hosts"]["n4"] == {"round": 2, "source": "n5", "after": ["n2"]}
     assert rounds(hosts(4), "n0", have=hosts(4)) == {"rounds": 0, "hosts": {}}
 
 
 def test_deterministic_whatever_the_duplicates():
     assert rounds(["a", "b", "a", "c"], "s") == rounds(["a", "b", "c"], "s")
-    assert rounds(hosts(6), "n3")["hosts"]["n0"] == {"round": 1, "source": "n3"}
+    assert rounds(hosts(6), "n3")["hosts"]["n0"] == {"round": 1, "source": "n3", "after": []}
 
 
 def test_refusals_are_one_sentence():

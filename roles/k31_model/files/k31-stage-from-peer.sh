@@ -1,12 +1,14 @@
 # k31_model_fanout=tree, one host's job (run as `sh -c` by tree.yml; nothing is installed on the host):
-#   SSH_COMMAND SOURCE WAIT VERIFY TIMEOUT STATE_FILE [SRC DEST MANIFEST STAMP]...
-# SOURCE is the source host's address ('' copies locally: the seed's own copy). With WAIT=yes it first waits,
-# in one SSH session, until the source's STATE_FILE says ok (its copy verified). Then each SRC/ is rsynced into
-# DEST/ (--partial: an interrupted copy resumes) and checked: VERIFY=sha256 runs `sha256sum --check MANIFEST` in
-# DEST and records the manifest's hash in STAMP; size compares sizes with the source. STATE_FILE says `ok` only
-# after every check passed, else `failed: why`.
+#   SSH_COMMAND SOURCE AFTER VERIFY TIMEOUT STATE_FILE [SRC DEST MANIFEST STAMP]...
+# SOURCE is the source host's address ('' copies locally: the seed's own copy). AFTER lists (space-separated) the
+# addresses of the hosts to wait for first, in one SSH session each, until their STATE_FILE is written: the source
+# where it is staged in this run (its state must say ok: its copy verified), and the host the source served
+# before this one (the source's link is then free). Then each SRC/ is rsynced into DEST/ (--partial: an
+# interrupted copy resumes) and checked: VERIFY=sha256 runs `sha256sum --check MANIFEST` in DEST and records the
+# manifest's hash in STAMP; size compares sizes with the source. STATE_FILE says `ok` only after every check
+# passed, else `failed: why`.
 set -u
-ssh_command=$1 source=$2 wait=$3 verify=$4 limit=$5 state=$6
+ssh_command=$1 source=$2 after=$3 verify=$4 limit=$5 state=$6
 shift 6
 fail() {
   echo "failed: $*" > "$state"
@@ -14,12 +16,14 @@ fail() {
   exit 1
 }
 mkdir -p "$(dirname "$state")" || fail "cannot write $(dirname "$state")"
-if [ "$wait" = yes ]; then
+for host in $after; do
   # shellcheck disable=SC2086  # the SSH command's words, as rsync -e splits them
-  got=$(timeout "$limit" $ssh_command "$source" \
-        "while [ ! -s '$state' ]; do sleep 0.5; done; cat '$state'") || fail "no answer from its source $source"
-  [ "$got" = ok ] || fail "its source $source has no verified copy ($got)"
-fi
+  got=$(timeout "$limit" $ssh_command "$host" \
+        "while [ ! -s '$state' ]; do sleep 0.5; done; cat '$state'") || fail "no answer from $host, staged before it"
+  if [ "$host" = "$source" ] && [ "$got" != ok ]; then
+    fail "its source $source has no verified copy ($got)"
+  fi
+done
 while [ $# -ge 4 ]; do
   src=$1 dest=$2 manifest=$3 stamp=$4
   shift 4

@@ -15,7 +15,7 @@ except ImportError as exc:  # pragma: no cover - only without the package instal
 
 
 def k31_model_rounds(hosts: list[str], seed: str, have: list[str] | None = None) -> dict[str, Any]:
-    """{rounds, hosts: {host: {round, source}}}: who copies from whom, round by round."""
+    """{rounds, hosts: {host: {round, source, after}}}: who copies from whom, and after which hosts."""
     try:
         return rounds(list(hosts), seed, list(have or []))
     except K31Error as exc:
