@@ -10,6 +10,10 @@ health gates wait in parallel), and the tool's own cost per server of `k31 redep
 (it restarts decode0, then prefill0 by the seed's PD rule): its wall time less each engine's own
 restart-to-healthy time (systemctl restart until /health answers, timed on the node), divided by the two
 servers. Sandboxes are named bench-* and removed afterwards.
+
+--staging adds bench/staging.py's measurement (a synthetic model staged to 2, 4 and 8 hosts over rate-limited
+links, naive versus tree fan-out): its seconds and ratios (staging_tree_over_naive_N) join this report's;
+--staging-only runs just that.
 """
 
 from __future__ import annotations
@@ -106,11 +110,16 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--mitogen", action="store_true", help="run every playbook under Mitogen's linear strategy")
     p.add_argument("--skip", nargs="*", default=[], choices=["pd", "fanout"], help="parts not to run")
+    p.add_argument("--staging", action="store_true", help="also measure model staging, naive vs tree")
+    p.add_argument("--staging-only", action="store_true", help="measure model staging only")
+    p.add_argument("--staging-sizes", type=int, nargs="+", default=[2, 4, 8])
     args = p.parse_args()
     if args.mitogen:
         from k31deploy.runner.driver import mitogen_env
 
         STRATEGY.update(mitogen_env())
+    if args.staging_only:
+        return report(*staging_report(args.staging_sizes), args.json)
     run(str(BIN / "k31"), "wheelhouse", "build", "--set", "all")
     results: dict[str, float] = {}
     ratios: dict[str, float] = {}
@@ -139,7 +148,25 @@ def main() -> int:
         for name in ["bench-pd", *(f"bench-{n}" for n in args.sizes)]:
             subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, capture_output=True,
                            check=False)
-    if args.json:
+    if args.staging:
+        seconds, more = staging_report(args.staging_sizes)
+        results.update(seconds)
+        ratios.update(more)
+    return report(results, ratios, args.json)
+
+
+def staging_report(sizes: list[int]) -> tuple[dict, dict]:
+    """bench/staging.py's seconds, and its ratios with each re-run's changed count (0: idempotent)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import staging
+
+    got = staging.measure(sizes, mb=512, rate="100mbit")
+    return got["seconds"], {**got["ratios"], **{f"staging_rerun_changed_{k}": v
+                                                for k, v in got["rerun_changed"].items()}}
+
+
+def report(results: dict, ratios: dict, as_json: bool) -> int:
+    if as_json:
         print(json.dumps({"seconds": results, "ratios": ratios}, indent=2))
     else:
         for key, value in {**results, **ratios}.items():

@@ -1,0 +1,157 @@
+"""k31deploy.staging: the tree fan-out schedule k31_model follows with k31_model_fanout=tree, its filter, and the
+knob's validation."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from ansible.errors import AnsibleFilterError
+
+from k31deploy.errors import K31Error
+from k31deploy.recipe import from_mapping, resolve
+from k31deploy.staging import rounds
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("k31_staging_filters",
+                                               ROOT / "roles/k31_model/filter_plugins/k31_staging.py")
+plugin = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plugin)
+FILTERS = plugin.FilterModule().filters()
+
+
+def hosts(n: int) -> list[str]:
+    return [f"n{i}" for i in range(n)]
+
+
+def test_seed_among_the_hosts_doubles_the_holders_each_round():
+    got = rounds(hosts(8), "n0")
+    assert got["rounds"] == 3
+    assert got["hosts"] == {
+        "n0": {"round": 1, "source": "n0", "after": []},    # the seed's own copy is local
+        "n1": {"round": 1, "source": "n0", "after": []},
+        # no barrier between rounds: a host starts after its source (staged in this run) and after the host its
+        # source served before it, so a source's link carries one copy at a time
+        "n2": {"round": 2, "source": "n0", "after": ["n1"]}, "n3": {"round": 2, "source": "n1", "after": ["n1"]},
+        "n4": {"round": 3, "source": "n0", "after": ["n2"]}, "n5": {"round": 3, "source": "n1", "after": ["n1", "n3"]},
+        "n6": {"round": 3, "source": "n2", "after": ["n2"]}, "n7": {"round": 3, "source": "n3", "after": ["n3"]},
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 16, 17, 100])
+def test_about_log2_rounds_and_every_source_holds_a_copy_before_it_serves(n):
+    for seed_inside in (True, False):
+        names = hosts(n)
+        seed = names[0] if seed_inside else "seed"
+        got = rounds(names, seed)
+        assert set(got["hosts"]) == set(names)
+        # holders after r rounds: 2**r (seed included), so n hosts (+ an outside seed) need ceil(log2(...)) rounds
+        assert got["rounds"] == max(1, math.ceil(math.log2(n + (0 if seed_inside else 1))))
+        done = {seed: 0}
+        for host in sorted(got["hosts"], key=lambda h: got["hosts"][h]["round"]):
+            step = got["hosts"][host]
+            if host != seed:    # the seed serves its source directories from the start
+                assert done[step["source"]] < step["round"], (host, step)
+                assert all(done[h] < step["round"] for h in step["after"]), (host, step)
+                done[host] = step["round"]
+        per_round = {}
+        for host, step in got["hosts"].items():
+            if host != step["source"]:
+                per_round.setdefault((step["round"], step["source"]), []).append(host)
+        assert all(len(targets) == 1 for targets in per_round.values()), per_round    # one copy per source per round
+
+
+def test_hosts_already_holding_a_copy_are_sources_from_the_first_round():
+    got = rounds(hosts(8), "n0", have=["n0", "n5"])
+    assert got["rounds"] == 2
+    assert "n5" not in got["hosts"] and "n0" not in got["hosts"]
+    assert got["hosts"]["n1"] == {"round": 1, "source": "n0", "after": []}
+    assert got["hosts"]["n2"] == {"round": 1, "source": "n5", "after": []}    # n5 held a verified copy already
+    assert got["hosts"]["n4"] == {"round": 2, "source": "n5", "after": ["n2"]}
+    assert rounds(hosts(4), "n0", have=hosts(4)) == {"rounds": 0, "hosts": {}}
+
+
+def test_deterministic_whatever_the_duplicates():
+    assert rounds(["a", "b", "a", "c"], "s") == rounds(["a", "b", "c"], "s")
+    assert rounds(hosts(6), "n3")["hosts"]["n0"] == {"round": 1, "source": "n3", "after": []}
+
+
+def test_refusals_are_one_sentence():
+    with pytest.raises(K31Error, match="needs a seed host"):
+        rounds(hosts(2), "")
+    with pytest.raises(K31Error, match="x are said to hold a copy but are not staging hosts"):
+        rounds(hosts(2), "n0", have=["x"])
+    with pytest.raises(AnsibleFilterError, match="needs a seed host"):
+        FILTERS["k31_model_rounds"](hosts(2), "")
+
+
+def test_filter_and_its_doc():
+    assert FILTERS["k31_model_rounds"](hosts(2), "n0") == rounds(hosts(2), "n0")
+    for name in FILTERS:
+        assert (ROOT / "roles/k31_model/filter_plugins" / f"{name}.yml").is_file(), name
+
+
+def test_fanout_knob_is_validated_with_its_choices():
+    pd = {"platform": "mi355x", "agents": 92}
+
+    def pd_hosts(**extra):
+        return [from_mapping("p0", ["k31_prefill"], {"ansible_host": "192.0.2.1"}),
+                from_mapping("d0", ["k31_decode"], {"ansible_host": "192.0.2.2", **extra}),
+                from_mapping("r0", ["k31_router"], {"ansible_host": "192.0.2.9"})]
+
+    with pytest.raises(K31Error, match=r"^k31_model_fanout=chain \(host d0\) is not valid; valid choices: tree, seed "
+                                       r"\(roles/k31_model/meta/argument_specs.yml\)$"):
+        resolve(pd, pd_hosts(k31_model_fanout="chain"))
+    for ok in ("tree", "seed"):
+        assert resolve(pd, pd_hosts(k31_model_fanout=ok))
+
+
+SCRIPT = ROOT / "roles/k31_model/files/k31-stage-from-peer.sh"
+
+
+def stage_job(tmp_path, verify="sha256", after="", source=""):
+    import subprocess
+
+    src, dest, state = tmp_path / "src", tmp_path / "dest", tmp_path / "state" / "staging-state"
+    stamp = tmp_path / "verified" / "dest.sha256"
+    argv = ["sh", "-c", SCRIPT.read_text(), "k31-stage", "ssh -o BatchMode=yes", source, after, verify, "5",
+            str(state), str(src), str(dest), str(dest / "SHA256SUMS"), str(stamp)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30), state, stamp
+
+
+def make_src(tmp_path):
+    import hashlib
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    files = {"model-00001.safetensors": b"w" * 1000, "sub/tokenizer.json": b"{}"}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    (src / "SHA256SUMS").write_text("".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n" for n, d in files.items()))
+    return src
+
+
+needs_rsync = pytest.mark.skipif(shutil.which("rsync") is None, reason="no rsync here (the nodes have it)")
+
+
+@needs_rsync
+def test_stage_job_copies_verifies_then_says_ok(tmp_path):
+    make_src(tmp_path)
+    done, state, stamp = stage_job(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert state.read_text() == "ok\n"
+    assert (tmp_path / "dest/sub/tokenizer.json").read_bytes() == b"{}"
+    assert stamp.is_file()
+
+
+@needs_rsync
+def test_stage_job_says_failed_on_a_bad_copy(tmp_path):
+    src = make_src(tmp_path)
+    (src / "sub/tokenizer.json").write_bytes(b"corrupt")    # the manifest no longer matches
+    done, state, stamp = stage_job(tmp_path)
+    assert done.returncode == 1
+    assert state.read_text().startswith("failed: ") and "does not match" in state.read_text()
+    assert not stamp.exists()
