@@ -75,17 +75,18 @@ def inputs_digest(plan: Mapping[str, Any], host_vars: Mapping[str, Mapping[str, 
 
 def settled(reads: Mapping[str, Any], inputs: str) -> dict[str, Any]:
     """Whether every host is as the last whole deploy left it, from each host's read (`{"stamp": {"inputs",
-    "state"} or null, "state": digest}`, or None for a host that gave no answer): {"settled": bool, "why": [...]}
-    with one line per host that is not."""
+    "state"} or null, "state": digest, null without a stamp}`, or None for a host that gave no answer):
+    {"settled": bool, "why": [...]} with one line per host that is not."""
     why: list[str] = []
     for host, read in sorted(reads.items()):
-        stamp = (read or {}).get("stamp") if isinstance(read, Mapping) else None
-        if not isinstance(read, Mapping) or not read.get("state"):
+        if not isinstance(read, Mapping):
             why.append(f"{host}: its state could not be read")
-        elif not isinstance(stamp, Mapping):
+        elif not isinstance(read.get("stamp"), Mapping):
             why.append(f"{host}: no record of a whole deploy")
-        elif stamp.get("inputs") != inputs:
+        elif not read.get("state"):
+            why.append(f"{host}: its state could not be read")
+        elif read["stamp"].get("inputs") != inputs:
             why.append(f"{host}: the inputs changed since its last whole deploy (plan, variables, k31 or wheelhouse)")
-        elif stamp.get("state") != read["state"]:
+        elif read["stamp"].get("state") != read["state"]:
             why.append(f"{host}: its files, units or firewall changed since its last whole deploy")
     return {"settled": bool(reads) and not why, "why": why}
