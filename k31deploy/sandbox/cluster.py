@@ -337,11 +337,21 @@ def platform_family(shape: Shape) -> str:
     return platforms[platform]["family"]
 
 
-def devices_script(paths: list[str]) -> str:
-    """Shell that makes each stand-in device node (character 1:3) where it is missing."""
+ENGINE_GROUPS = ("k31_unified", "k31_prefill", "k31_decode")
+
+
+def devices_script(paths: list[str], family: str) -> str:
+    """Shell that makes each stand-in device node (character 1:3) where it is missing. On ROCm, the GPU nodes
+    belong to group render, mode 0660, as the amdgpu driver's udev rules leave them on a real host."""
     lines = ["set -eu"]
+    if family == "rocm":
+        lines.append("getent group render >/dev/null || groupadd --system render")
     for path in paths:
-        lines.append(f"mkdir -p {os.path.dirname(path)}; [ -e {path} ] || mknod -m 0666 {path} c 1 3")
+        gpu = family == "rocm" and not path.startswith("/dev/infiniband/")
+        mode = "0660" if gpu else "0666"
+        lines.append(f"mkdir -p {os.path.dirname(path)}; [ -e {path} ] || mknod -m {mode} {path} c 1 3")
+        if gpu:
+            lines.append(f"chgrp render {path}")
     return "\n".join(lines)
 
 
@@ -352,10 +362,12 @@ def _prepare_nested(shape: Shape, name: str, addresses: dict[str, str], director
     devices = STANDIN_DEVICES.get(family, [])
     registry = addresses[shape.registry] if shape.registry else None
 
+    engines = {h.name for h in shape.hosts if set(h.groups) & set(ENGINE_GROUPS)}
+
     def prepare(host: str) -> None:
         ctr = container_name(name, host)
-        if devices:
-            podman.run("exec", ctr, "sh", "-c", devices_script(devices))
+        if devices and host in engines:
+            podman.run("exec", ctr, "sh", "-c", devices_script(devices, family))
         if registry:
             conf = serving.registries_conf(registry)
             podman.run("exec", "-i", ctr, "sh", "-c", "mkdir -p /etc/containers/registries.conf.d && cat > "
@@ -369,15 +381,20 @@ def _prepare_nested(shape: Shape, name: str, addresses: dict[str, str], director
     if not registry:
         return {}
     serving.wait_registry(registry)
+    # The deploy's host firewall (k31_firewall) closes what the plan does not use: the registry is a site
+    # service it keeps open to the sandbox's nodes, as a site lists its own (k31_firewall_extra).
+    sources = sorted({str(ipaddress.ip_network(f"{a}/24", strict=False)) for a in addresses.values()})
+    extra: dict[str, Any] = {"k31_firewall_extra": [{"ports": str(serving.REGISTRY_PORT), "proto": "tcp",
+                                                     "sources": sources, "comment": "k31 sandbox registry"}]}
     images = directory / "images.json"
     if images.is_file():     # a re-run `up`: the image deploys run stays what it was
         first = json.loads(images.read_text())[0]
-        return {"k31_image": first["ref"]}
+        return {**extra, "k31_image": first["ref"]}
     local = serving.build(state_dir() / "sandbox", 1, False, log)
     pushed = serving.push(local, registry, 1, False, directory)
     serving.record(directory, pushed, 1, False)
     log(f"stand-in serving image pushed as {pushed.ref}")
-    return {"k31_image": pushed.ref}
+    return {**extra, "k31_image": pushed.ref}
 
 
 def push_image(name: str, revision: int, broken: bool, log: Log) -> dict:
