@@ -371,7 +371,7 @@ def _prepare_nested(shape: Shape, name: str, addresses: dict[str, str], director
         if registry:
             conf = serving.registries_conf(registry)
             podman.run("exec", "-i", ctr, "sh", "-c", "mkdir -p /etc/containers/registries.conf.d && cat > "
-                       "/etc/containers/registries.conf.d/k31-sandbox.conf", stdin_text=conf)
+                       "/etc/containers/registries.conf.d/sandbox-registry.conf", stdin_text=conf)
         if host == shape.registry:
             podman.run("exec", "-i", ctr, "sh", "-c", "cat > /etc/docker/registry/config.yml",
                        stdin_text=serving.registry_config(registry))

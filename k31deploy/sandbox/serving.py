@@ -27,7 +27,7 @@ SERVING_REPO = "localhost/k31-standin-serving"
 SERVING_DIR = DATA_DIR / "serving"
 REGISTRY_PORT = 5000
 # The repository deploys pull from, on the registry node.
-REGISTRY_REPO = "k31/standin-serving"
+REGISTRY_REPO = "standin/sglang-serving"
 # Debian's docker-registry ships a config with htpasswd auth and no users; the sandbox's registry takes
 # anonymous pulls and pushes on the sandbox network only (its nodes and the controller).
 REGISTRY_CONFIG = """\
