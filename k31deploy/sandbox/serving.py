@@ -93,7 +93,12 @@ def build(lock_dir: Path, revision: int = 1, broken: bool = False, log=print) ->
             (shutil.copytree if path.is_dir() else shutil.copy)(path, ctx / path.name)
         log(f"building the stand-in serving image {tag} ({variant(revision, broken)})")
         podman.run("build", "--pull=never", "--build-arg", f"BASE={image.base_tag()}",
-                   "--build-arg", f"REVISION={revision}", "--build-arg", f"BROKEN={int(broken)}", "-t", tag, context)
+                   "--label", f"k31.standin.revision={revision}", "--label", f"k31.standin.broken={int(broken)}",
+                   "--env", f"K31_STANDIN_BROKEN={int(broken)}", "-t", tag, context)
+        labels = podman.json_out("image", "inspect", tag)[0].get("Labels") or {}
+        if labels.get("k31.standin.revision") != str(revision):
+            raise K31Error(f"podman build of {tag} did not take its revision label (got {labels}); "
+                           f"remove the image and build again")
     return tag
 
 

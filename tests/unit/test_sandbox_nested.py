@@ -80,3 +80,12 @@ def test_a_pushed_image_is_run_by_digest_and_variants_are_named():
         serving.variant(0, False)
     assert 'location = "10.0.0.1:5000"' in serving.registries_conf("10.0.0.1")
     assert "addr: 10.0.0.1:5000" in serving.registry_config("10.0.0.1")
+
+
+def test_the_runc_wrapper_lowers_the_rlimits_of_exec_too():
+    runc = wrapper()
+    assert runc.process_file(["--root", "/r", "exec", "--process", "/tmp/p.json", "id"]) == "/tmp/p.json"
+    assert runc.process_file(["create", "--bundle", "/b", "id"]) is None
+    spec = {"rlimits": [{"type": "RLIMIT_MEMLOCK", "hard": 2**64 - 1, "soft": 2**64 - 1}]}
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    assert bool(runc.lower_rlimits(spec)) == (hard != resource.RLIM_INFINITY)
