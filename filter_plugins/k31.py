@@ -56,12 +56,29 @@ def k31_host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
 
 def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str, env_file: str,
                        container_cli: str = "docker", venv: str = "/opt/k31/venv",
-                       extra_flags: list[str] | None = None) -> list[str]:
-    """The command a rank's unit runs for the host's runtime (container, venv or the stand-in)."""
+                       extra_flags: list[str] | None = None, image: str | None = None) -> list[str]:
+    """The command a rank's unit runs for the host's runtime (container, venv or the stand-in); a container
+    runs `image` (k31_image_pinned) or else the plan's image."""
     try:
         return launch.engine_command(plan, rank, runtime, env_file=env_file, container_cli=container_cli,
                                      venv=venv, mounts=launch.model_mounts(plan) + launch.rank_mounts(plan, rank),
-                                     extra_flags=extra_flags)
+                                     extra_flags=extra_flags, image=image or None)
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_image_pinned(image: str, digest: str = "") -> str:
+    """`repo@sha256:...` when a digest is known (in the image or k31_image_digest), else the image as given."""
+    try:
+        return launch.pinned_image(image, digest)
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_platform_family(plan: dict[str, Any]) -> str:
+    """cuda, rocm or tpu: the plan's platform family (catalog), what picks a host's device setup."""
+    try:
+        return launch.platform_family(plan)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 
@@ -205,4 +222,5 @@ class FilterModule:
                 "k31_start_env": k31_start_env,
                 "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
-                "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled}
+                "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
+                "k31_image_pinned": k31_image_pinned, "k31_platform_family": k31_platform_family}

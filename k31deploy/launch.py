@@ -38,16 +38,63 @@ def host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
 def _container_flags(flags: list[str], cli: str) -> list[str]:
     if cli == "docker":
         return list(flags)
-    # podman reaches NVIDIA GPUs through CDI rather than docker's --gpus.
+    # podman reaches NVIDIA GPUs through CDI rather than docker's --gpus. With --ipc=host the container uses
+    # the host's /dev/shm, so a --shm-size has nothing to size: docker ignores it, podman refuses the run
+    # ("cannot set shmsize when running in the {host } IPC Namespace", podman 4.3, tried in the sandbox).
+    host_ipc = "--ipc=host" in flags
     out, i = [], 0
     while i < len(flags):
         if flags[i] == "--gpus":
             out += ["--device", f"nvidia.com/gpu={flags[i + 1]}"]
             i += 2
             continue
+        if host_ipc and flags[i] == "--shm-size":
+            i += 2
+            continue
+        if host_ipc and flags[i].startswith("--shm-size="):
+            i += 1
+            continue
         out.append(flags[i])
         i += 1
     return out
+
+
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def pinned_image(image: str, digest: str = "") -> str:
+    """The image reference a host pulls and every unit runs: `repo@sha256:...` once a digest is known (from
+    `image` itself or `digest`, k31_image_digest), else `image` as given. A tag is dropped from a pinned
+    reference: podman refuses `repo:tag@sha256:...` ("Docker references with both a tag and digest are
+    currently not supported"), and the digest alone names the content."""
+    image = str(image or "")
+    digest = str(digest or "").strip()
+    if digest and not DIGEST.match(digest):
+        raise K31Error(f"k31_image_digest={digest!r} is not valid; valid: sha256: and 64 lowercase hex digits, "
+                       f"or empty")
+    name, _, own = image.partition("@")
+    if own:
+        if not DIGEST.match(own):
+            raise K31Error(f"k31_image={image!r} is not valid; valid: REPO[:TAG] or REPO@sha256:<64 hex digits>")
+        if digest and digest != own:
+            raise K31Error(f"k31_image names digest {own} but k31_image_digest is {digest}; set one of them")
+        digest = own
+    if not digest:
+        return image
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    repo = name[:colon] if colon > slash else name     # a registry's :port comes before the last slash
+    return f"{repo}@{digest}"
+
+
+def platform_family(plan: dict[str, Any]) -> str:
+    """The plan's platform family (cuda, rocm, tpu), from the catalog: what picks a host's device setup."""
+    from k31deploy.recipe.catalog import catalog
+
+    platforms = catalog()["platforms"]
+    if plan.get("platform") not in platforms:
+        raise K31Error(f"platform {plan.get('platform')!r} is not valid; valid choices: {', '.join(platforms)}")
+    return platforms[plan["platform"]]["family"]
 
 
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -94,8 +141,10 @@ def start_env_names(rank: dict[str, Any]) -> list[str]:
 
 def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, env_file: str,
                    container_cli: str = "docker", venv: str = "/opt/k31/venv",
-                   mounts: list[str] | None = None, extra_flags: list[str] | None = None) -> list[str]:
-    """The full command a rank's systemd unit runs."""
+                   mounts: list[str] | None = None, extra_flags: list[str] | None = None,
+                   image: str | None = None) -> list[str]:
+    """The full command a rank's systemd unit runs; a container runs `image` (the pinned reference,
+    pinned_image) or else the plan's image."""
     argv = list(rank["argv"])
     if runtime not in RUNTIMES:
         raise K31Error(f"k31_engine_runtime={runtime} is not valid; valid choices: {', '.join(RUNTIMES)}")
@@ -103,15 +152,16 @@ def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, 
         if container_cli not in CONTAINER_CLIS:
             raise K31Error(f"k31_engine_container_cli={container_cli} is not valid; valid choices: "
                            f"{', '.join(CONTAINER_CLIS)}")
-        if not plan.get("image") or str(plan["image"]).startswith("<"):
-            raise K31Error(f"image is {plan.get('image')}: set k31_image to the serving image before a deploy")
+        image = image or plan.get("image")
+        if not image or str(image).startswith("<"):
+            raise K31Error(f"image is {image}: set k31_image to the serving image before a deploy")
         volumes = [t for m in (mounts or []) for t in ("-v", m)]
         # Variables the launch script set (env_from_files, start_env) pass by name: the value stays out of argv.
         passed = [t for name in [*(rank.get("env_from_files") or {}), *start_env_names(rank)] for t in ("-e", name)]
         return [container_cli, "run", "--rm", "--name", rank["unit"],
                 *_container_flags(plan["container_flags"], container_cli), *(extra_flags or []),
                 "--env-file", env_file, *passed, *volumes,
-                str(plan["image"]), *argv]
+                str(image), *argv]
     if argv[:2] != ["python3", "-m"]:
         raise K31Error(f"{rank['unit']} runs {argv[0]}, which k31_engine_runtime={runtime} cannot start; "
                        f"use k31_engine_runtime=container")

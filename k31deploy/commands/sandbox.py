@@ -1,4 +1,4 @@
-"""`k31 sandbox up|down|status`: a local multi-host test bed of podman containers."""
+"""`k31 sandbox up|down|status|image`: a local multi-host test bed of podman containers."""
 
 from __future__ import annotations
 
@@ -56,6 +56,18 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if rows and all(row["state"] == "running" and row["ssh"] for row in rows) else 1
 
 
+def _image(args: argparse.Namespace) -> int:
+    pushed = cluster.push_image(args.name, args.revision, args.broken, _log)
+    if args.save:
+        from pathlib import Path
+
+        from k31deploy.sandbox import serving
+
+        pushed.update(serving.save(pushed["local"], Path(args.save), pushed["tag"]))
+    print(json.dumps(pushed))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "sandbox",
@@ -82,6 +94,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     down = named("down", "remove the sandbox's containers, network and state; cached images stay")
     down.add_argument("--purge-images", action="store_true", help="also remove the cached sandbox images")
     down.set_defaults(func=_down)
+
+    img = named("image", "build a revision of the stand-in serving image and push it to the sandbox's registry; "
+                         "prints what was pushed as JSON (ref: repo@sha256:...)")
+    img.add_argument("--revision", type=int, default=2, help="revision to build and push (1 is what `up` pushed)")
+    img.add_argument("--broken", action="store_true", help="an image whose entry point exits at once")
+    img.add_argument("--save", metavar="PATH", help="also write a `podman save` archive of it (k31_image_tarball)")
+    img.set_defaults(func=_image)
 
     status = named("status", "each node's container state, IP, memory and whether ssh answers")
     status.add_argument("--json", action="store_true", help="machine-readable output")

@@ -4,6 +4,7 @@ SSH client key, a known_hosts file read out of the containers, and the inventory
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ from typing import Any
 
 from k31deploy.errors import K31Error
 from k31deploy.paths import state_dir
-from k31deploy.sandbox import image, podman
+from k31deploy.sandbox import image, podman, serving
 from k31deploy.sandbox.inventory import (
     build_inventory,
     dump_inventory,
@@ -39,6 +40,18 @@ FIRST_HOST = 10
 # hangs for 90 s (field notes §7). Pure cgroup v2 hosts do not have the directory.
 UNIFIED_CGROUP = Path("/sys/fs/cgroup/unified")
 SSH_TIMEOUT_S = 180.0
+# Nested-container nodes: podman's store on a volume of the node's own (overlay cannot sit on the node's overlay
+# root); the volume carries the sandbox's label and goes with `down`.
+NESTED_STORE = "/var/lib/containers"
+# Stand-in device nodes, per platform family, at the paths the plan's container flags name (catalog.yaml
+# families.*.container_flags, nvl72.container_flags; the IMEX channel of NVIDIA_IMEX_CHANNELS=0). Each is a
+# character device 1:3 -- what /dev/null is -- so a container that opens one reads nothing and harms nothing.
+STANDIN_DEVICES = {
+    "rocm": ["/dev/kfd", "/dev/dri/card0", "/dev/dri/renderD128",
+             "/dev/infiniband/uverbs0", "/dev/infiniband/rdma_cm"],
+    "cuda": ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia3",
+             "/dev/nvidia-caps-imex-channels/channel0", "/dev/infiniband/uverbs0", "/dev/infiniband/rdma_cm"],
+}
 
 Log = Callable[[str], None]
 
@@ -209,7 +222,12 @@ def memory_mib(containers: list[str]) -> dict[str, float]:
     return {name: int(used) / 2**20 for name, used in (line.split() for line in out.stdout.splitlines())}
 
 
-def _run_flags(name: str, host: str, index: int, address: str, hosts_file: list[str], tag: str) -> list[str]:
+def store_volume(name: str, host: str) -> str:
+    return f"{container_name(name, host)}-containers"
+
+
+def _run_flags(name: str, host: str, index: int, address: str, hosts_file: list[str], tag: str,
+               nested: bool = False) -> list[str]:
     flags = [
         "--name", container_name(name, host), "--hostname", host,
         "--label", f"{LABEL}={name}", "--label", f"{HOST_LABEL}={host}", "--label", f"{INDEX_LABEL}={index}",
@@ -219,6 +237,9 @@ def _run_flags(name: str, host: str, index: int, address: str, hosts_file: list[
     ]  # fmt: skip
     if UNIFIED_CGROUP.is_dir():
         flags += ["-v", f"{UNIFIED_CGROUP}:{UNIFIED_CGROUP}:rw"]
+    if nested:
+        # podman inside the node: mounts, namespaces, device nodes and its own store
+        flags += ["--privileged", "-v", f"{store_volume(name, host)}:{NESTED_STORE}"]
     for entry in hosts_file:
         flags += ["--add-host", entry]
     return [*flags, tag]
@@ -241,7 +262,7 @@ def up(shape: Shape, name: str, log: Log) -> Path:
             f"run `k31 sandbox down --name {name}` first or pick another --name"
         )
 
-    tag = image.ensure_image(state_dir() / "sandbox", log)
+    tag = image.ensure_image(state_dir() / "sandbox", log, nested=shape.nested)
     log(f"image {tag} ready after {time.monotonic() - started:.1f} s")
 
     subnet = _ensure_network(name)
@@ -255,7 +276,10 @@ def up(shape: Shape, name: str, log: Log) -> Path:
         current = existing.get(host)
         if current is None:
             hosts_file = [f"{other}:{address}" for other, address in planned.items()]
-            podman.run("create", *_run_flags(name, host, index, planned[host], hosts_file, tag))
+            volume = store_volume(name, host)
+            if shape.nested and podman.run("volume", "exists", volume, check=False).returncode != 0:
+                podman.run("volume", "create", "--label", f"{LABEL}={name}", volume)
+            podman.run("create", *_run_flags(name, host, index, planned[host], hosts_file, tag, shape.nested))
         elif current.get("Image") != tag:
             log(f"{ctr} runs {current.get('Image')}, not {tag}: `down` then `up` to refresh it")
         # Every up re-installs the current key, so a lost state dir does not lock us out.
@@ -284,9 +308,14 @@ def up(shape: Shape, name: str, log: Log) -> Path:
         raise K31Error(f"ssh as root with the sandbox key failed on {', '.join(failed)}; see `k31 sandbox status`")
     log(f"sshd answers on every node after {time.monotonic() - t_start:.1f} s")
 
+    extra: dict[str, Any] = {}
+    if shape.nested:
+        extra = _prepare_nested(shape, name, addresses, directory, log)
+        log(f"nested containers ready after {time.monotonic() - t_start:.1f} s")
+
     inventory = directory / "inventory.yml"
     secrets = sandbox_secrets(directory, router_kind(shape))
-    text = dump_inventory(build_inventory(shape, addresses, key, known_hosts, secrets))
+    text = dump_inventory(build_inventory(shape, addresses, key, known_hosts, {**(secrets or {}), **extra}))
     fd = os.open(inventory, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)    # it holds the sandbox's secrets
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -296,6 +325,104 @@ def up(shape: Shape, name: str, log: Log) -> Path:
     log("memory per node: " + ", ".join(per_node))
     log(f"sandbox {name} ({shape.name}, nodes: {len(wanted)}) up in {time.monotonic() - started:.1f} s")
     return inventory
+
+
+def platform_family(shape: Shape) -> str:
+    from k31deploy.recipe.catalog import catalog
+
+    platform = str(shape.knobs.get("platform", ""))
+    platforms = catalog()["platforms"]
+    if platform not in platforms:
+        raise K31Error(f"shape {shape.name}: platform {platform!r} is not one of {', '.join(platforms)}")
+    return platforms[platform]["family"]
+
+
+ENGINE_GROUPS = ("k31_unified", "k31_prefill", "k31_decode")
+
+
+def devices_script(paths: list[str], family: str) -> str:
+    """Shell that makes each stand-in device node (character 1:3) where it is missing. On ROCm, the GPU nodes
+    belong to group render, mode 0660, as the amdgpu driver's udev rules leave them on a real host."""
+    lines = ["set -eu"]
+    if family == "rocm":
+        lines.append("getent group render >/dev/null || groupadd --system render")
+    for path in paths:
+        gpu = family == "rocm" and not path.startswith("/dev/infiniband/")
+        mode = "0660" if gpu else "0666"
+        lines.append(f"mkdir -p {os.path.dirname(path)}; [ -e {path} ] || mknod -m {mode} {path} c 1 3")
+        if gpu:
+            lines.append(f"chgrp render {path}")
+    return "\n".join(lines)
+
+
+def _prepare_nested(shape: Shape, name: str, addresses: dict[str, str], directory: Path, log: Log) -> dict:
+    """Nested-container nodes: stand-in device nodes, the registry on the shape's registry host (trusted over
+    plain HTTP by every node), and the stand-in serving image pushed there. Returns the inventory's k31_image."""
+    family = platform_family(shape)
+    devices = STANDIN_DEVICES.get(family, [])
+    registry = addresses[shape.registry] if shape.registry else None
+
+    engines = {h.name for h in shape.hosts if set(h.groups) & set(ENGINE_GROUPS)}
+
+    def prepare(host: str) -> None:
+        ctr = container_name(name, host)
+        if devices and host in engines:
+            podman.run("exec", ctr, "sh", "-c", devices_script(devices, family))
+        if registry:
+            conf = serving.registries_conf(registry)
+            podman.run("exec", "-i", ctr, "sh", "-c", "mkdir -p /etc/containers/registries.conf.d && cat > "
+                       "/etc/containers/registries.conf.d/sandbox-registry.conf", stdin_text=conf)
+        if host == shape.registry:
+            podman.run("exec", "-i", ctr, "sh", "-c", "cat > /etc/docker/registry/config.yml",
+                       stdin_text=serving.registry_config(registry))
+            podman.run("exec", ctr, "systemctl", "enable", "--now", "docker-registry.service")
+
+    _parallel(prepare, list(addresses))
+    if not registry:
+        return {}
+    serving.wait_registry(registry)
+    # The deploy's host firewall (k31_firewall) closes what the plan does not use: the registry is a site
+    # service it keeps open to the sandbox's nodes, as a site lists its own (k31_firewall_extra).
+    sources = sorted({str(ipaddress.ip_network(f"{a}/24", strict=False)) for a in addresses.values()})
+    extra: dict[str, Any] = {"k31_firewall_extra": [{"ports": str(serving.REGISTRY_PORT), "proto": "tcp",
+                                                     "sources": sources, "comment": "k31 sandbox registry"}]}
+    images = directory / "images.json"
+    if images.is_file():     # a re-run `up`: the image deploys run stays what it was
+        first = json.loads(images.read_text())[0]
+        return {**extra, "k31_image": first["ref"]}
+    local = serving.build(state_dir() / "sandbox", 1, False, log)
+    pushed = serving.push(local, registry, 1, False, directory)
+    serving.record(directory, pushed, 1, False)
+    log(f"stand-in serving image pushed as {pushed.ref}")
+    return {**extra, "k31_image": pushed.ref}
+
+
+def push_image(name: str, revision: int, broken: bool, log: Log) -> dict:
+    """Build the stand-in serving image's `revision` (broken: its entry point exits) and push it to the
+    sandbox's registry; returns what was pushed (ref = repo@sha256:...)."""
+    podman.check_host()
+    check_name(name)
+    directory = sandbox_dir(name)
+    inventory = directory / "inventory.yml"
+    if not inventory.is_file():
+        raise K31Error(f"no sandbox named {name}: run `k31 sandbox up --name {name} --shape SHAPE` first")
+    import yaml
+
+    children = yaml.safe_load(inventory.read_text())["all"]["children"]
+    hosts = {h: v["ansible_host"] for group in children.values() for h, v in ((group or {}).get("hosts") or {}).items()}
+    registry_host = next((h for h in hosts if _has_registry(name, h)), None)
+    if registry_host is None:
+        raise K31Error(f"sandbox {name} runs no registry; use a shape with `registry:` (e.g. mi355x-1p1d-container)")
+    local = serving.build(state_dir() / "sandbox", revision, broken, log)
+    pushed = serving.push(local, hosts[registry_host], revision, broken, directory)
+    serving.record(directory, pushed, revision, broken)
+    return {**pushed.to_dict(), "revision": revision, "broken": broken}
+
+
+def _has_registry(name: str, host: str) -> bool:
+    ctr = container_name(name, host)
+    return podman.run("exec", ctr, "systemctl", "is-enabled", "--quiet", "docker-registry.service",
+                      check=False).returncode == 0
 
 
 def status(name: str) -> list[dict]:
@@ -332,6 +459,11 @@ def down(name: str, purge_images: bool, log: Log) -> None:
     net = _network(name)
     if net:
         podman.run("network", "rm", net["name"])
+    volumes = [v["Name"] for v in podman.json_out("volume", "ls", "--filter", f"label={LABEL}={name}", "--format",
+                                                   "json")
+               if (v.get("Labels") or {}).get(LABEL) == name and v["Name"].startswith(f"k31-{name}-")]
+    for volume in volumes:
+        podman.run("volume", "rm", "--force", volume)
     directory = sandbox_dir(name)
     if directory.is_dir():
         shutil.rmtree(directory)

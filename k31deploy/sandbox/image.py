@@ -22,10 +22,14 @@ from k31deploy.sandbox import DATA_DIR, podman
 
 BASE_REPO = "localhost/k31-sandbox-base"
 NODE_REPO = "localhost/k31-sandbox"
+NESTED_REPO = "localhost/k31-sandbox-nested"
 IMAGE_LABEL = "k31.sandbox.image"
 BASE_RECIPE = "base.yaml"
 # The build context of the node image; every byte of these files is in its tag.
 NODE_RECIPE = ("Containerfile", "k31-ssh-host-keys.service")
+# Nodes that run containers (shapes with nested: true): built FROM the node image; every file is in its tag.
+NESTED_DIR = "nested"
+NESTED_RECIPE = ("Containerfile", "containers.conf", "k31-sandbox-runc")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 
 
@@ -46,6 +50,12 @@ def node_tag(data_dir: Path = DATA_DIR) -> str:
     parts = [("base", base_tag(data_dir).encode())]
     parts += [(name, (data_dir / name).read_bytes()) for name in NODE_RECIPE]
     return f"{NODE_REPO}:{recipe_hash(parts)}"
+
+
+def nested_tag(data_dir: Path = DATA_DIR) -> str:
+    parts = [("node", node_tag(data_dir).encode())]
+    parts += [(name, (data_dir / NESTED_DIR / name).read_bytes()) for name in NESTED_RECIPE]
+    return f"{NESTED_REPO}:{recipe_hash(parts)}"
 
 
 @dataclass(frozen=True)
@@ -162,26 +172,50 @@ def _build_node(tag: str, base: str, log: Callable[[str], None]) -> None:
         podman.run("build", "--pull=never", "--build-arg", f"BASE={base}", "-t", tag, context)
 
 
-def ensure_image(lock_dir: Path, log: Callable[[str], None]) -> str:
-    """The node image's tag, building the base and then the node image only where missing."""
+def _build_nested(tag: str, node: str, log: Callable[[str], None]) -> None:
+    log(f"building nested-container node image {tag} FROM {node} (about half a minute)")
+    with tempfile.TemporaryDirectory(prefix="k31-sandbox-nested-") as context:
+        for name in NESTED_RECIPE:
+            shutil.copy(DATA_DIR / NESTED_DIR / name, Path(context) / name)
+        podman.run("build", "--pull=never", "--build-arg", f"NODE={node}", "-t", tag, context)
+
+
+def ensure_base(lock_dir: Path, log: Callable[[str], None]) -> str:
+    """The base image's tag, built where missing."""
+    base = base_tag()
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / "image.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _exists(base):
+            _build_base(base, log)
+    return base
+
+
+def ensure_image(lock_dir: Path, log: Callable[[str], None], nested: bool = False) -> str:
+    """The node image's tag (the nested-container node image's with `nested`), building the base, the node
+    image and the nested one only where missing."""
     node, base = node_tag(), base_tag()
+    want = nested_tag() if nested else node
     lock_dir.mkdir(parents=True, exist_ok=True)
     # Concurrent `up`s would build the same tag twice; one waits for the other instead.
     with open(lock_dir / "image.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _exists(node):
-            return node
-        if not _exists(base):
-            _build_base(base, log)
-        _build_node(node, base, log)
-    return node
+        if _exists(want):
+            return want
+        if not _exists(node):
+            if not _exists(base):
+                _build_base(base, log)
+            _build_node(node, base, log)
+        if nested:
+            _build_nested(want, node, log)
+    return want
 
 
 def purge_images() -> tuple[list[str], list[str]]:
     """Remove every sandbox image no container uses; returns (removed, kept in use)."""
     removed, kept = [], []
     # Node images first: a base cannot go while an image built FROM it exists.
-    for repo in (NODE_REPO, BASE_REPO):
+    for repo in (NESTED_REPO, "localhost/k31-standin-serving", NODE_REPO, BASE_REPO):
         listed = podman.json_out("images", "--filter", f"reference={repo}", "--format", "json")
         for image in listed:
             for name in image.get("Names") or [image["Id"]]:

@@ -38,8 +38,13 @@ def failure(what: str, proc: subprocess.CompletedProcess) -> K31Error:
     return K31Error(f"{what} failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}")
 
 
-def run(*args: str, check: bool = True, stdin: Any = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["podman", *args], env=env(), stdin=stdin, capture_output=True, text=True)
+def run(*args: str, check: bool = True, stdin: Any = None,
+        stdin_text: str | None = None) -> subprocess.CompletedProcess:
+    """podman ARGS; `stdin_text` is written to its standard input (`exec -i`)."""
+    if stdin_text is not None:
+        proc = subprocess.run(["podman", *args], env=env(), input=stdin_text, capture_output=True, text=True)
+    else:
+        proc = subprocess.run(["podman", *args], env=env(), stdin=stdin, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise failure(f"podman {' '.join(args[:2])}", proc)
     return proc

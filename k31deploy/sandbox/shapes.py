@@ -34,6 +34,10 @@ class Shape:
     knobs: dict[str, Any]
     hosts: tuple[Host, ...]
     role_vars: dict[str, Any] = field(default_factory=dict)   # k31_<role>_* settings the shape needs
+    # Nodes that run containers themselves (privileged, podman inside, stand-in GPU/RDMA device nodes), and
+    # the host that serves the sandbox's image registry (Debian's docker-registry) to the others.
+    nested: bool = False
+    registry: str | None = None
 
 
 def load_shapes(path: Path = SHAPES_FILE) -> dict[str, dict[str, Any]]:
@@ -85,5 +89,12 @@ def resolve_shape(name: str | None, nodes: int | None, path: Path = SHAPES_FILE)
     role_vars = spec.get("role_vars") or {}
     if not all(str(key).startswith("k31_") for key in role_vars):
         raise K31Error(f"shape {name}: role_vars must be k31_<role>_* variables")
+    nested = spec.get("nested", False)
+    if not isinstance(nested, bool):
+        raise K31Error(f"shape {name}: nested must be true or false (got {nested!r})")
+    registry = spec.get("registry")
+    if registry is not None and (not nested or registry not in names):
+        raise K31Error(f"shape {name}: registry {registry!r} must be one of its hosts ({', '.join(names)}) "
+                       f"and needs nested: true")
     return Shape(name=name, description=spec.get("description", ""), knobs=dict(knobs), hosts=tuple(hosts),
-                 role_vars=dict(role_vars))
+                 role_vars=dict(role_vars), nested=nested, registry=registry)

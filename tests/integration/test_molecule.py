@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("scenario", ["mi355x-1p1d", "gb300-pd", "b300-l3"])
+@pytest.mark.parametrize("scenario", ["mi355x-1p1d", "gb300-pd", "b300-l3", "mi355x-1p1d-container"])
 def test_scenario(scenario):
     molecule = shutil.which("molecule", path=str(Path(sys.executable).parent)) or shutil.which("molecule")
     assert molecule, "molecule is not installed (pip install -e '.[test]')"

@@ -246,7 +246,7 @@ def test_the_engine_script_echoes_no_command_into_a_comment(tmp_path):
     script = render(ROOT / "roles/k31_engine/templates/engine.sh.j2", item={"server": server, "rank": rank},
                     hostvars={"localhost": {"k31_validate_plan": plan}}, k31_engine_runtime="container",
                     k31_engine_etc_dir="/etc/k31", k31_engine_container_cli="docker", k31_engine_venv="/opt/k31/venv",
-                    k31_engine_container_extra_flags=[])
+                    k31_engine_container_extra_flags=[], k31_engine_pinned_image="")
     comments = [line for line in script.splitlines() if line.startswith("#")]
     assert not any("--served-model-name" in line or "sglang" in line for line in comments)
     bin_dir = tmp_path / "bin"

@@ -152,3 +152,56 @@ def test_service_command_per_runtime():
         launch.service_command(router, "container", unit="k31-router", image="<K31_MI35X_IMAGE>", venv="/v")
     with pytest.raises(K31Error, match="runtime vm is not valid; valid choices: container, venv"):
         launch.service_command(router, "vm", unit="k31-router", image=None, venv="/v")
+
+
+DIGEST_A = "sha256:" + "a" * 64
+DIGEST_B = "sha256:" + "b" * 64
+
+
+def test_a_known_digest_pins_the_image_without_its_tag():
+    assert launch.pinned_image("reg:5000/k31/serving:r1", DIGEST_A) == f"reg:5000/k31/serving@{DIGEST_A}"
+    assert launch.pinned_image("reg:5000/k31/serving", DIGEST_A) == f"reg:5000/k31/serving@{DIGEST_A}"
+    assert launch.pinned_image(f"reg:5000/k31/serving@{DIGEST_A}") == f"reg:5000/k31/serving@{DIGEST_A}"
+    assert launch.pinned_image(f"reg/k31@{DIGEST_A}", DIGEST_A) == f"reg/k31@{DIGEST_A}"
+    assert launch.pinned_image("reg:5000/k31/serving:r1") == "reg:5000/k31/serving:r1"
+    assert launch.pinned_image("reg:5000/k31/serving:r1", "") == "reg:5000/k31/serving:r1"
+
+
+def test_bad_or_conflicting_digests_are_refused_naming_the_setting():
+    with pytest.raises(K31Error, match=r"k31_image_digest='sha256:xyz' is not valid; valid: sha256:"):
+        launch.pinned_image("reg/k31:1", "sha256:xyz")
+    with pytest.raises(K31Error, match=r"k31_image names digest .* but k31_image_digest is .*; set one of them"):
+        launch.pinned_image(f"reg/k31@{DIGEST_A}", DIGEST_B)
+    with pytest.raises(K31Error, match=r"k31_image='reg/k31@md5:1' is not valid"):
+        launch.pinned_image("reg/k31@md5:1")
+
+
+def test_units_run_the_pinned_image_not_the_plans_tag():
+    plan = resolve(MI_PD)
+    rank = rank0(plan, "decode")
+    pinned = launch.pinned_image(plan["image"], DIGEST_A)
+    cmd = launch.engine_command(plan, rank, "container", env_file="e", container_cli="podman", image=pinned)
+    assert pinned in cmd and plan["image"] not in cmd
+    assert cmd[cmd.index(pinned) + 1:] == rank["argv"]
+
+
+def test_podman_drops_shm_size_under_host_ipc_and_keeps_every_other_rocm_flag():
+    plan = resolve(MI_PD)
+    flags = plan["container_flags"]
+    assert "--ipc=host" in flags and "--shm-size" in flags
+    cmd = launch.engine_command(plan, rank0(plan, "decode"), "container", env_file="e", container_cli="podman")
+    assert "--shm-size" not in cmd and "16G" not in cmd
+    kept = [f for i, f in enumerate(flags) if f != "--shm-size" and (i == 0 or flags[i - 1] != "--shm-size")]
+    at = cmd.index(kept[0])
+    assert cmd[at:at + len(kept)] == kept
+    docker = launch.engine_command(plan, rank0(plan, "decode"), "container", env_file="e")
+    assert docker[docker.index("--shm-size") + 1] == "16G"
+    assert launch._container_flags(["--shm-size=8g", "--ipc=host"], "podman") == ["--ipc=host"]
+    assert launch._container_flags(["--shm-size", "8g"], "podman") == ["--shm-size", "8g"]
+
+
+def test_the_platform_family_comes_from_the_catalog():
+    assert launch.platform_family(resolve(MI_PD)) == "rocm"
+    assert launch.platform_family({"platform": "gb300"}) == "cuda"
+    with pytest.raises(K31Error, match=r"platform 'mi999' is not valid; valid choices: "):
+        launch.platform_family({"platform": "mi999"})
