@@ -25,6 +25,7 @@ class FakeHost(follow.Host):
         self.started = {"k31-p0-r0": 50.0}
         self.hold = False
         self.calls = []
+        self.posted = []
         self.workers = [{"id": "w-me", "url": ME, "is_healthy": True},
                         {"id": "w-peer", "url": PEER, "is_healthy": True}]
         self.load = 0
@@ -61,6 +62,7 @@ class FakeHost(follow.Host):
             self.workers = [w for w in self.workers if not url.endswith(w["id"])]
             return 202, {}
         if method == "POST":
+            self.posted.append(body)
             self.workers.append({"id": "w-new", "url": body["url"], "is_healthy": True})
             return 202, {}
         if url.endswith("/get_load"):
@@ -92,6 +94,15 @@ def crash(f, host, name="d0"):
 
 def restarts(host):
     return [c for c in host.calls if c[0] == "restart"]
+
+
+def test_the_readded_prefill_carries_the_engines_api_key_only_when_there_is_one():
+    for key, want in (("ek-123", {"api_key": "ek-123"}), ("", {})):
+        host = FakeHost()
+        f = follow.Follower({**CONFIG, "engine_api_key": key}, host)
+        crash(f, host)
+        assert tick(f, host) is True
+        assert host.posted == [{"url": ME, "worker_type": "prefill", "bootstrap_port": 8998, **want}]
 
 
 def test_decode_restart_drains_restarts_and_readds_the_prefill():

@@ -211,6 +211,10 @@ class Follower:
         body = {"url": drain["worker_url"], "worker_type": "prefill"}
         if drain.get("bootstrap_port"):
             body["bootstrap_port"] = int(drain["bootstrap_port"])
+        # The router calls a worker it is given with that worker's api_key (its /model_info): the engines' key, as
+        # the router's own --api-key gives the workers it starts with. Without it /v1/models says "unknown".
+        if self.cfg.get("engine_api_key"):
+            body["api_key"] = self.cfg["engine_api_key"]
         status, _ = self.host.request("POST", f"{drain['router']}/workers", body)
         log(f"re-added {drain['worker_url']} to the router (HTTP {status})")
 
