@@ -29,6 +29,7 @@ NAME = f"dynredeploy-{os.getpid()}"
 SHAPE = "gb300-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 SERVERS = ("decode0", "decode1", "prefill0", "prefill1")
+GATE = "Wait for rank 0 to answer /health (the first seconds, every second)"    # k31_engine's gate, rank 0 only
 # The stand-ins' timing model (group_vars, so deploy and redeploy render the same): 160 tokens stream ~4 s.
 TIMING = {"k31_engine_standin_ttft_base_ms": 300, "k31_engine_standin_ttft_per_1k_prompt_tokens_ms": 200,
           "k31_engine_standin_token_ms": 25}
@@ -107,8 +108,8 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
         assert abs(r0 - r1) < 15_000_000, (server, r0, r1)
     # The step's gate is rank 0's health, on rank 0's host only.
     for server in SERVERS:
-        assert f"{server}-t0 | Wait for rank 0 to answer /health (model load) | ok" in proc.stdout, server
-        assert f"{server}-t1 | Wait for rank 0 to answer /health (model load) | skipped" in proc.stdout, server
+        assert f"{server}-t0 | {GATE} | ok" in proc.stdout, server
+        assert f"{server}-t1 | {GATE} | skipped" in proc.stdout, server
     # Canary decode first, then the other, then the prefills (the seed's rule: after the decodes).
     order = sorted(SERVERS, key=lambda s: after[(s, 0)][0])
     assert order[:2] == ["decode0", "decode1"] and set(order[2:]) == {"prefill0", "prefill1"}, order
