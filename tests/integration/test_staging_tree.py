@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import recaps
+from sandbox_cli import cli_env
 
 pytestmark = pytest.mark.integration
 
@@ -26,10 +27,7 @@ SRC, DEST = "/srv/k31-src/synth", "/opt/k31/models/synth"
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    env = {**os.environ, "K31_STATE_DIR": str(state), "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
-           "PYTHONPATH": str(ROOT), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "cp"), "ANSIBLE_DEPRECATION_WARNINGS": "False",
-           "ANSIBLE_NOCOLOR": "1"}
+    env = {**cli_env(state), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "ANSIBLE_NOCOLOR": "1"}
     up = subprocess.run([*K31, "sandbox", "up", "--nodes", "4", "--name", NAME], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=600)
     try:
