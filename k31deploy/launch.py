@@ -35,17 +35,32 @@ def host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
     return found
 
 
+# podman reaches NVIDIA devices through CDI (Container Device Interface) specs, not docker's nvidia hook:
+# podman 4 takes --gpus and ignores it, so the container gets no GPU (NVIDIA/nvidia-container-runtime#190:
+# `podman run --gpus all` shows no /dev/nvidia*, `--device nvidia.com/gpu=all` does), and the hook that reads
+# NVIDIA_IMEX_CHANNELS is the legacy docker path too. The CDI kinds are those `nvidia-ctk cdi generate` writes
+# (NVIDIA/nvidia-container-toolkit pkg/nvcdi: kind nvidia.com/gpu; --mode=imex: nvidia.com/imex-channel).
+CDI_GPU = "nvidia.com/gpu"
+CDI_IMEX = "nvidia.com/imex-channel"
+IMEX_ENV = "NVIDIA_IMEX_CHANNELS="
+# How a host gets the spec of each kind: the nvidia-ctk arguments that write it (k31_container_runtime).
+CDI_GENERATE = {
+    CDI_GPU: ["cdi", "generate", "--output=/etc/cdi/nvidia.yaml"],
+    CDI_IMEX: ["cdi", "generate", "--mode=imex", "--output=/etc/cdi/nvidia-imex.yaml"],
+}
+
+
 def _container_flags(flags: list[str], cli: str) -> list[str]:
     if cli == "docker":
         return list(flags)
-    # podman reaches NVIDIA GPUs through CDI rather than docker's --gpus. With --ipc=host the container uses
-    # the host's /dev/shm, so a --shm-size has nothing to size: docker ignores it, podman refuses the run
-    # ("cannot set shmsize when running in the {host } IPC Namespace", podman 4.3, tried in the sandbox).
+    # With --ipc=host the container uses the host's /dev/shm, so a --shm-size has nothing to size: docker
+    # ignores it, podman refuses the run ("cannot set shmsize when running in the {host } IPC Namespace",
+    # podman 4.3, tried in the sandbox). NVIDIA devices become CDI devices (CDI_GPU above).
     host_ipc = "--ipc=host" in flags
     out, i = [], 0
     while i < len(flags):
         if flags[i] == "--gpus":
-            out += ["--device", f"nvidia.com/gpu={flags[i + 1]}"]
+            out += ["--device", f"{CDI_GPU}={flags[i + 1]}"]
             i += 2
             continue
         if host_ipc and flags[i] == "--shm-size":
@@ -54,9 +69,24 @@ def _container_flags(flags: list[str], cli: str) -> list[str]:
         if host_ipc and flags[i].startswith("--shm-size="):
             i += 1
             continue
+        if flags[i] in ("--env", "-e") and i + 1 < len(flags) and flags[i + 1].startswith(IMEX_ENV):
+            # The variable stays (what the plan sets); the channels come as CDI devices, one per channel.
+            out += flags[i:i + 2]
+            for channel in flags[i + 1].removeprefix(IMEX_ENV).split(","):
+                out += ["--device", f"{CDI_IMEX}={channel.strip()}"]
+            i += 2
+            continue
         out.append(flags[i])
         i += 1
     return out
+
+
+def cdi_devices(flags: list[str], cli: str) -> list[str]:
+    """The CDI devices (kind=name) a container run with the plan's flags asks for under `cli`: what the host's
+    CDI specs must list before an engine starts (k31_container_runtime)."""
+    run = _container_flags(flags, cli)
+    return [run[i + 1] for i, flag in enumerate(run[:-1])
+            if flag == "--device" and run[i + 1].split("=", 1)[0] in CDI_GENERATE]
 
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")

@@ -200,6 +200,33 @@ def test_podman_drops_shm_size_under_host_ipc_and_keeps_every_other_rocm_flag():
     assert launch._container_flags(["--shm-size", "8g"], "podman") == ["--shm-size", "8g"]
 
 
+GB_NVL72 = {"platform": "gb300", "topology": "unified", "max_running_requests": 32, "image": "reg/k31:cuda"}
+
+
+def test_podman_reaches_nvidia_gpus_and_the_imex_channel_through_cdi_devices():
+    plan = resolve(GB_NVL72)
+    flags = plan["container_flags"]
+    assert flags[:2] == ["--gpus", "all"] and "NVIDIA_IMEX_CHANNELS=0" in flags
+    rank = rank0(plan, "unified")
+    podman = launch.engine_command(plan, rank, "container", env_file="e", container_cli="podman")
+    # podman 4 ignores --gpus: the GPUs and the IMEX channel are CDI devices; the variable stays as planned
+    assert "--gpus" not in podman
+    assert podman[podman.index("NVIDIA_IMEX_CHANNELS=0") - 1] == "--env"
+    devices = [podman[i + 1] for i, flag in enumerate(podman) if flag == "--device"]
+    assert devices == ["nvidia.com/gpu=all", "nvidia.com/imex-channel=0"]
+    assert launch.cdi_devices(flags, "podman") == devices
+    # docker's nvidia runtime takes --gpus and NVIDIA_IMEX_CHANNELS itself: the plan's flags unchanged
+    docker = launch.engine_command(plan, rank, "container", env_file="e")
+    assert docker[docker.index("--gpus"):docker.index("--gpus") + len(flags)] == flags
+    assert launch.cdi_devices(flags, "docker") == []
+    # several channels, one device each; ROCm's device paths are no CDI devices
+    assert launch.cdi_devices(["-e", "NVIDIA_IMEX_CHANNELS=0,1"], "podman") == [
+        "nvidia.com/imex-channel=0", "nvidia.com/imex-channel=1"]
+    assert launch.cdi_devices(resolve(MI_PD)["container_flags"], "podman") == []
+    # every kind the flags ask for has a way to write its spec
+    assert {d.split("=")[0] for d in devices} <= set(launch.CDI_GENERATE)
+
+
 def test_the_platform_family_comes_from_the_catalog():
     assert launch.platform_family(resolve(MI_PD)) == "rocm"
     assert launch.platform_family({"platform": "gb300"}) == "cuda"
