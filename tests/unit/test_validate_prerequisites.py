@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from archive_helpers import write_archive
 
 from k31deploy import wheelhouse
 from k31deploy.recipe import resolve
@@ -184,8 +185,22 @@ def test_image_sources_need_their_inputs(tmp_path):
                        ["image"])
     assert sentence.startswith(f"k31_image_tarball={missing} (for node0, node1) does not exist on the controller")
     missing.write_bytes(b"tar")
+    [sentence] = check(plan, cluster(plan, {"k31_image_source": "tarball", "k31_image_tarball": str(missing)}),
+                       ["image"])
+    assert sentence.startswith(f"k31_image_tarball={missing} is not a `docker save` / `podman save` archive")
+    assert sentence.endswith("(for node0, node1)")
+    write_archive(missing, [{"Config": f"{'c' * 64}.json", "RepoTags": ["reg/k31:other"]}])
+    [sentence] = check(plan, cluster(plan, {"k31_image_source": "tarball", "k31_image_tarball": str(missing)}),
+                       ["image"])
+    assert sentence.startswith(f"k31_image_tarball={missing} does not hold reg/k31:rocm10 (it holds reg/k31:other)")
+    write_archive(missing, [{"Config": f"{'c' * 64}.json", "RepoTags": ["reg/k31:rocm10"]}])
     assert check(plan, cluster(plan, {"k31_image_source": "tarball", "k31_image_tarball": str(missing)}),
                  ["image"]) == []
+    pinned = {"k31_image_source": "tarball", "k31_image_tarball": str(missing),
+              "k31_image_digest": "sha256:" + "a" * 64}
+    assert check(plan, cluster(plan, pinned), ["image"]) == [
+        "k31_image_digest on node0, node1 pins a registry digest, which a `docker save` archive does not keep; with "
+        "k31_image_source=tarball leave it empty (k31 checks the loaded image's ID against the archive's)"]
     on_host = {"k31_image_source": "tarball", "k31_image_tarball": "/shared/k31.tar",
                "k31_image_tarball_on_host": "yes"}
     assert check(plan, cluster(plan, on_host), ["image"]) == []

@@ -17,7 +17,7 @@ from ansible.errors import AnsibleFilterError
 from ansible.module_utils.parsing.convert_bool import boolean
 
 try:
-    from k31deploy import wheelhouse
+    from k31deploy import imagearchive, wheelhouse
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import rules as monitoring_rules
     from k31deploy.recipe.hosts import PEM_ROLE_VARS, is_pem
@@ -230,6 +230,7 @@ def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[
 def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host],
                 problems: Problems) -> None:
     image = plan.get("image")
+    archives: dict[str, str] = {}     # a tarball's verdict, read once for all the hosts that load it
     for host in image_hosts(plan, groups, hosts):
         try:
             source = host.text("k31_image_source")
@@ -246,10 +247,25 @@ def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[
                 if not tarball:
                     problems.add(f"k31_image_source=tarball on {{hosts}} needs k31_image_tarball, a `docker save` "
                                  f"of {image}", host.name)
-                elif not host.flag("k31_image_tarball_on_host") and not Path(tarball).is_file():
+                elif host.text("k31_image_digest"):
+                    problems.add("k31_image_digest on {hosts} pins a registry digest, which a `docker save` archive "
+                                 "does not keep; with k31_image_source=tarball leave it empty (k31 checks the loaded "
+                                 "image's ID against the archive's)", host.name)
+                elif host.flag("k31_image_tarball_on_host"):
+                    pass     # on the hosts' own storage: read there, after the load (k31_image)
+                elif not Path(tarball).is_file():
                     problems.add(f"k31_image_tarball={tarball} (for {{hosts}}) does not exist on the controller; "
                                  f"give the path of a `docker save` of {image}, or set "
                                  f"k31_image_tarball_on_host=true where each host already has it", host.name)
+                else:
+                    if tarball not in archives:
+                        try:
+                            imagearchive.find(tarball, str(image))
+                            archives[tarball] = ""
+                        except K31Error as exc:
+                            archives[tarball] = str(exc)
+                    if archives[tarball]:
+                        problems.add(f"{archives[tarball]} (for {{hosts}})", host.name)
             else:
                 if not host.text("k31_image_build_context"):
                     problems.add("k31_image_source=build on {hosts} needs k31_image_build_context, an SGLang "

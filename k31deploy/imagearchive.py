@@ -1,0 +1,85 @@
+"""What a `docker save` / `podman save` archive holds, read on the controller before a host is touched.
+
+k31_image_source=tarball loads such an archive on each engine host. The archive's manifest.json names each
+image's config blob -- whose digest IS the image ID a load gives (`docker|podman image inspect --format
+'{{.Id}}'`) -- and the names it was saved under (RepoTags). k31 refuses an archive without the plan's image
+before any copy, and after a load checks that the plan's name points at exactly that ID: the verification a
+registry pull gets from its manifest digest. Only the tar headers and manifest.json are read (a tarball is
+seekable), so a serving image of tens of GB costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from k31deploy.errors import K31Error
+
+HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class ArchivedImage:
+    id: str                   # sha256:<64 hex>, the image ID a load gives
+    tags: tuple[str, ...]     # the names it was saved under, normalized (normal_name)
+
+
+def normal_name(name: str) -> str:
+    """A reference as docker and podman list it: Docker Hub's implicit prefixes dropped, `:latest` added.
+    `docker save lmsysorg/sglang` records `lmsysorg/sglang:latest`; podman records `docker.io/lmsysorg/...`."""
+    name = name.strip()
+    for prefix in ("docker.io/library/", "docker.io/", "index.docker.io/library/", "index.docker.io/"):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if "@" not in name and ":" not in name.rsplit("/", 1)[-1]:
+        name += ":latest"
+    return name
+
+
+def _config_id(config: str) -> str:
+    # docker < 25 and podman: "<hex>.json"; docker >= 25 (OCI layout inside): "blobs/sha256/<hex>"
+    hexpart = Path(config).name.removesuffix(".json")
+    if not HEX.match(hexpart):
+        raise ValueError(f"config {config!r} names no sha256 blob")
+    return f"sha256:{hexpart}"
+
+
+def read(path: str | Path) -> list[ArchivedImage]:
+    """The images a docker-archive holds; a K31Error naming the file when it is not one."""
+    path = Path(path)
+    try:
+        with tarfile.open(path, "r:") as archive:
+            member = archive.getmember("manifest.json")
+            handle = archive.extractfile(member)
+            if handle is None:
+                raise ValueError("manifest.json is not a file")
+            manifest = json.loads(handle.read())
+        images = [ArchivedImage(id=_config_id(entry["Config"]),
+                                tags=tuple(normal_name(t) for t in entry.get("RepoTags") or []))
+                  for entry in manifest]
+    except (OSError, KeyError, TypeError, ValueError, tarfile.TarError) as exc:
+        raise K31Error(f"k31_image_tarball={path} is not a `docker save` / `podman save` archive (docker-archive "
+                       f"format, manifest.json): {exc}") from exc
+    if not images:
+        raise K31Error(f"k31_image_tarball={path} holds no image")
+    return images
+
+
+def find(path: str | Path, image: str) -> ArchivedImage:
+    """The archive's image saved under the plan's name `image`; refused, naming what it holds, otherwise."""
+    if "@" in image:
+        raise K31Error(f"k31_image={image} names a registry digest, which a `docker save` archive does not keep; "
+                       f"with k31_image_source=tarball name the image REPO:TAG (k31 checks the loaded image's ID "
+                       f"against the archive's)")
+    want = normal_name(image)
+    images = read(path)
+    for archived in images:
+        if want in archived.tags:
+            return archived
+    held = ", ".join(t for a in images for t in a.tags) or "only untagged images"
+    raise K31Error(f"k31_image_tarball={path} does not hold {image} (it holds {held}); save the image under "
+                   f"the plan's name: docker save -o FILE {image}")
