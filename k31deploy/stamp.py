@@ -88,5 +88,5 @@ def settled(reads: Mapping[str, Any], inputs: str) -> dict[str, Any]:
         elif read["stamp"].get("inputs") != inputs:
             why.append(f"{host}: the inputs changed since its last whole deploy (plan, variables, k31 or wheelhouse)")
         elif read["stamp"].get("state") != read["state"]:
-            why.append(f"{host}: its files, units or firewall changed since its last whole deploy")
+            why.append(f"{host}: its files, units, firewall or images changed since its last whole deploy")
     return {"settled": bool(reads) and not why, "why": why}

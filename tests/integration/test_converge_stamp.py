@@ -75,7 +75,7 @@ def test_a_deploy_that_would_change_nothing_skips_the_host_plays_and_drift_makes
     out = deploy(env, inventory, "--mitogen")[0]      # the whole deploy under Mitogen's strategy, through k31
     assert SHORT not in out
     for host in ("prefill0", "router0"):
-        assert f"{host}: its files, units or firewall changed since its last whole deploy" in out
+        assert f"{host}: its files, units, firewall or images changed since its last whole deploy" in out
     assert "decode0: its files" not in out
     assert "hand edit" not in node_sh(NAME, "prefill0", f"cat {env_file}")
     assert node_sh(NAME, "router0", "systemctl is-active k31-router").strip() == "active"

@@ -4,6 +4,7 @@ makes it run whole."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -90,7 +91,8 @@ def test_settled_only_when_every_host_has_the_same_inputs_and_state():
 
 
 @pytest.mark.parametrize(("reads", "why"), [
-    ({"a": read(), "b": read(state="s2")}, "b: its files, units or firewall changed since its last whole deploy"),
+    ({"a": read(), "b": read(state="s2")},
+     "b: its files, units, firewall or images changed since its last whole deploy"),
     ({"a": read(inputs="i0"), "b": read()}, "a: the inputs changed since its last whole deploy"),
     ({"a": read(), "b": {"state": "s1", "stamp": None}}, "b: no record of a whole deploy"),
     ({"a": read(), "b": None}, "b: its state could not be read"),
@@ -107,14 +109,17 @@ def test_no_hosts_is_not_settled():
 
 
 # The host-side script (roles/k31_stamp/templates/host-state.sh.j2), run here against a folder tree.
-def host_state(tmp_path, mode, inputs=""):
+def host_state(tmp_path, mode, inputs="", image_clis=()):
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     env.filters["quote"] = lambda s: "'" + str(s).replace("'", "'\"'\"'") + "'"
     text = env.from_string((ROLE / "templates" / "host-state.sh.j2").read_text()).render(
         mode=mode, inputs=inputs, k31_stamp_paths=[str(tmp_path / "etc")], k31_stamp_opt_dir=str(tmp_path / "opt"),
-        k31_stamp_units=defaults["k31_stamp_units"], k31_stamp_file=str(tmp_path / "var" / "converged.json"))
-    done = subprocess.run(["bash", "-c", text], capture_output=True, text=True, check=True)
+        k31_stamp_units=defaults["k31_stamp_units"], k31_stamp_file=str(tmp_path / "var" / "converged.json"),
+        k31_stamp_image_clis=list(image_clis))
+    path = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+    done = subprocess.run(["bash", "-c", text], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PATH": path})
     return done.stdout.strip()
 
 
@@ -155,3 +160,22 @@ def test_any_drift_of_what_k31_manages_changes_the_state(host, drift):
     elif drift == "venv removed":
         (host / "opt" / "venv").rmdir()
     assert json.loads(host_state(host, "read"))["state"] != before
+
+
+def test_an_image_swapped_under_the_plans_name_is_drift(host):
+    """The container CLIs' image lists are part of the state: a load or tag that points the plan's name at
+    other content changes it (here a stand-in CLI prints its images from a file)."""
+    (host / "bin").mkdir()
+    cli = host / "bin" / "fakectl"
+    images = host / "images.txt"
+    cli.write_text(f"#!/bin/sh\n[ \"$1 $2 $3\" = \"images --no-trunc --format\" ] && cat {images}\n")
+    cli.chmod(0o755)
+    images.write_text("reg/k31:r1 <none> sha256:" + "a" * 64 + "\n")
+    assert host_state(host, "write", "i1", ["fakectl", "absentctl"]) == "changed"
+    before = json.loads(host_state(host, "read", image_clis=["fakectl", "absentctl"]))
+    assert before["state"] == before["stamp"]["state"]
+    images.write_text("reg/k31:r1 <none> sha256:" + "b" * 64 + "\n")
+    after = json.loads(host_state(host, "read", image_clis=["fakectl", "absentctl"]))
+    assert after["state"] != before["state"]
+    # the defaults list both CLIs k31 runs images with
+    assert yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())["k31_stamp_image_clis"] == ["podman", "docker"]
