@@ -12,7 +12,7 @@ from typing import Any
 from ansible.errors import AnsibleFilterError
 
 try:
-    from k31deploy import address, envfile, launch, stamp
+    from k31deploy import address, envfile, imagearchive, launch, stamp
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import config as monitoring
     from k31deploy.recipe import from_mapping, resolve
@@ -73,6 +73,21 @@ def k31_image_pinned(image: str, digest: str = "") -> str:
         return launch.pinned_image(image, digest)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_image_archive_id(tarball: str, image: str) -> str:
+    """The image ID (sha256:...) of `image` in a `docker save` archive on the controller; a load must give it."""
+    try:
+        return imagearchive.find(tarball, image).id
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_cdi_devices(flags: list[str], cli: str) -> list[dict[str, Any]]:
+    """The CDI devices (kind=name) a container run with the plan's flags asks for under `cli`, each with the
+    nvidia-ctk arguments that write its kind's spec."""
+    return [{"device": d, "generate": launch.CDI_GENERATE[d.split("=", 1)[0]]}
+            for d in launch.cdi_devices(list(flags), cli)]
 
 
 def k31_platform_family(plan: dict[str, Any]) -> str:
@@ -223,4 +238,5 @@ class FilterModule:
                 "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
                 "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
-                "k31_image_pinned": k31_image_pinned, "k31_platform_family": k31_platform_family}
+                "k31_image_pinned": k31_image_pinned, "k31_platform_family": k31_platform_family,
+                "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices}

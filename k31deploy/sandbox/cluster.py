@@ -19,7 +19,7 @@ from typing import Any
 
 from k31deploy.errors import K31Error
 from k31deploy.paths import state_dir
-from k31deploy.sandbox import image, podman, serving
+from k31deploy.sandbox import DATA_DIR, image, podman, serving
 from k31deploy.sandbox.inventory import (
     build_inventory,
     dump_inventory,
@@ -338,6 +338,11 @@ def platform_family(shape: Shape) -> str:
 
 
 ENGINE_GROUPS = ("k31_unified", "k31_prefill", "k31_decode")
+# CUDA nested nodes get a stand-in nvidia-ctk (the toolkit's apt repository is out of reach): it writes and lists
+# CDI specs over the stand-in device nodes, the two calls k31_container_runtime makes.
+NVIDIA_CTK = DATA_DIR / "nested" / "nvidia-ctk"
+# The name a tarball shape's archive holds the stand-in serving image under (the plan's k31_image).
+TARBALL_IMAGE = "sandbox.k31.internal/standin/sglang-serving:r1"
 
 
 def devices_script(paths: list[str], family: str) -> str:
@@ -368,6 +373,9 @@ def _prepare_nested(shape: Shape, name: str, addresses: dict[str, str], director
         ctr = container_name(name, host)
         if devices and host in engines:
             podman.run("exec", ctr, "sh", "-c", devices_script(devices, family))
+        if family == "cuda" and host in engines:
+            podman.run("exec", "-i", ctr, "sh", "-c", "cat > /usr/local/bin/nvidia-ctk && chmod 0755 "
+                       "/usr/local/bin/nvidia-ctk", stdin_text=NVIDIA_CTK.read_text())
         if registry:
             conf = serving.registries_conf(registry)
             podman.run("exec", "-i", ctr, "sh", "-c", "mkdir -p /etc/containers/registries.conf.d && cat > "
@@ -378,6 +386,11 @@ def _prepare_nested(shape: Shape, name: str, addresses: dict[str, str], director
             podman.run("exec", ctr, "systemctl", "enable", "--now", "docker-registry.service")
 
     _parallel(prepare, list(addresses))
+    if shape.tarball:
+        local = serving.build(state_dir() / "sandbox", 1, False, log)
+        saved = serving.save(local, directory / "serving-r1.tar", TARBALL_IMAGE)
+        log(f"stand-in serving image saved as {saved['tarball']} ({saved['name']}, {saved['id']})")
+        return {"k31_image": saved["name"], "k31_image_tarball": saved["tarball"]}
     if not registry:
         return {}
     serving.wait_registry(registry)

@@ -38,6 +38,8 @@ class Shape:
     # the host that serves the sandbox's image registry (Debian's docker-registry) to the others.
     nested: bool = False
     registry: str | None = None
+    # The stand-in serving image as a `podman save` archive on the controller instead (k31_image_source=tarball).
+    tarball: bool = False
 
 
 def load_shapes(path: Path = SHAPES_FILE) -> dict[str, dict[str, Any]]:
@@ -96,5 +98,9 @@ def resolve_shape(name: str | None, nodes: int | None, path: Path = SHAPES_FILE)
     if registry is not None and (not nested or registry not in names):
         raise K31Error(f"shape {name}: registry {registry!r} must be one of its hosts ({', '.join(names)}) "
                        f"and needs nested: true")
+    tarball = spec.get("tarball", False)
+    if not isinstance(tarball, bool) or (tarball and (not nested or registry is not None)):
+        raise K31Error(f"shape {name}: tarball must be true or false, needs nested: true and excludes registry "
+                       f"(got tarball={tarball!r}, registry={registry!r})")
     return Shape(name=name, description=spec.get("description", ""), knobs=dict(knobs), hosts=tuple(hosts),
-                 role_vars=dict(role_vars), nested=nested, registry=registry)
+                 role_vars=dict(role_vars), nested=nested, registry=registry, tarball=tarball)

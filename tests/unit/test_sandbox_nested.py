@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import resource
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,46 @@ def test_the_runc_wrapper_lowers_the_rlimits_of_exec_too():
     spec = {"rlimits": [{"type": "RLIMIT_MEMLOCK", "hard": 2**64 - 1, "soft": 2**64 - 1}]}
     hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
     assert bool(runc.lower_rlimits(spec)) == (hard != resource.RLIM_INFINITY)
+
+
+def test_the_gb300_container_shape_loads_its_image_from_a_tarball(tmp_path):
+    shape = resolve_shape("gb300-nvl72-container", None)
+    assert shape.nested and shape.tarball and shape.registry is None
+    assert shape.role_vars["k31_image_source"] == "tarball"
+    assert cluster.platform_family(shape) == "cuda"
+    assert {h.server for h in shape.hosts} == {"unified0"} and len(shape.hosts) == 2
+    path = tmp_path / "shapes.yaml"
+    path.write_text("s:\n  knobs: {platform: gb300}\n  tarball: true\n  hosts: [{name: a, groups: [k31_unified]}]\n")
+    with pytest.raises(K31Error, match=r"shape s: tarball must be true or false, needs nested: true"):
+        resolve_shape("s", None, path)
+
+
+def stand_in_ctk():
+    path = DATA_DIR / "nested" / "nvidia-ctk"
+    loader = importlib.machinery.SourceFileLoader("k31_nvidia_ctk", str(path))
+    spec = importlib.util.spec_from_loader("k31_nvidia_ctk", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_the_stand_in_nvidia_ctk_writes_and_lists_cdi_specs_of_the_kinds_k31_asks_for(tmp_path, monkeypatch, capsys):
+    ctk = stand_in_ctk()
+    nodes = ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm",
+             "/dev/nvidia-caps-imex-channels/channel0"]
+    real_glob = ctk.glob.glob
+    monkeypatch.setattr(ctk.glob, "glob", lambda pattern: [
+        n for n in nodes if n.startswith(pattern.rstrip("*"))] if pattern.startswith("/dev/") else real_glob(pattern))
+    monkeypatch.setattr(ctk.os.path, "exists", lambda p: p in nodes)
+    monkeypatch.setattr(ctk, "SPEC_DIRS", (str(tmp_path),))
+    from k31deploy import launch
+
+    for kind, args in launch.CDI_GENERATE.items():
+        out = str(tmp_path / args[-1].split("/")[-1])
+        assert ctk.main([*args[:-1], f"--output={out}"]) == 0
+        assert ctk.json.loads(Path(out).read_text())["kind"] == kind
+    capsys.readouterr()
+    assert ctk.main(["cdi", "list"]) == 0
+    assert capsys.readouterr().out.split() == [
+        "nvidia.com/imex-channel=0", "nvidia.com/gpu=0", "nvidia.com/gpu=1", "nvidia.com/gpu=all"]
+    assert ctk.main(["cdi", "generate", "--mode=wsl", "--output=x"]) == 2
