@@ -29,7 +29,7 @@ NAME = f"dynredeploy-{os.getpid()}"
 SHAPE = "gb300-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 SERVERS = ("decode0", "decode1", "prefill0", "prefill1")
-GATE = "Wait for rank 0 to answer /health (the first seconds, every second)"    # k31_engine's gate, rank 0 only
+GATE = "Wait for rank 0 to answer /health (fails at once on a crash loop)"    # k31_engine's gate, rank 0 only
 # The stand-ins' timing model (group_vars, so deploy and redeploy render the same): 160 tokens stream ~4 s.
 TIMING = {"k31_engine_standin_ttft_base_ms": 300, "k31_engine_standin_ttft_per_1k_prompt_tokens_ms": 200,
           "k31_engine_standin_token_ms": 25}

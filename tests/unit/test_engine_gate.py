@@ -1,0 +1,113 @@
+"""The engines' health gate on their host (roles/k31_engine/files/k31-engine-gate): quick probes first, then the
+model-load cadence, and an early failure on a crash loop instead of waiting out the health timeout."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.machinery
+import importlib.util
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "roles" / "k31_engine" / "files" / "k31-engine-gate"
+
+
+def load():
+    loader = importlib.machinery.SourceFileLoader("k31_engine_gate", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("k31_engine_gate", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def run(gate, *, healthy_at=None, restarts=lambda t: 0, active=lambda t: "active", **kw):
+    clock = Clock()
+    opts = {"timeout": 60, "quick": 10, "interval": 5, "max_restarts": 3, **kw}
+    out = gate.gate({"k31-d0-r0": "http://h/health"}, ["k31-d0-r0", "k31-d0-r1"], clock=clock, sleep=clock.sleep,
+                    probe=lambda url, timeout: healthy_at is not None and clock.now >= healthy_at,
+                    state=lambda unit: (active(clock.now), restarts(clock.now)), **opts)
+    return out, clock
+
+
+def test_probes_every_second_first_then_at_the_model_load_interval():
+    gate = load()
+    out, clock = run(gate, healthy_at=3)
+    assert out == {"ok": True, "seconds": 3.0, "healthy": ["k31-d0-r0"], "reason": ""}
+    assert clock.sleeps == [1.0, 1.0, 1.0]
+    out, clock = run(gate, healthy_at=22)
+    assert out["ok"] and clock.sleeps == [1.0] * 10 + [5.0, 5.0, 5.0]
+    assert out["seconds"] == 25.0
+
+
+def test_a_crash_loop_fails_at_once_naming_the_unit():
+    gate = load()
+    # systemd restarts the unit every 5 s (RestartSec=5); 3 restarts since the gate began is a crash loop
+    out, _ = run(gate, restarts=lambda t: 2 + int(t // 5))
+    assert not out["ok"] and out["seconds"] == 15.0
+    assert out["reason"] == ("k31-d0-r0 exited and was restarted by systemd 3 times since the gate began "
+                             "(a crash loop)")
+    out, _ = run(gate, active=lambda t: "failed" if t >= 4 else "activating")
+    assert out["reason"] == "k31-d0-r0 failed (systemd stopped restarting it)" and out["seconds"] == 4.0
+    # a clean exit is not restarted: inactive at two polls in a row (one could fall inside a restart)
+    out, _ = run(gate, active=lambda t: "inactive" if t in (2, 5, 6) else "active")
+    assert out["reason"] == "k31-d0-r0 stopped (inactive) and systemd does not restart it" and out["seconds"] == 6.0
+    # --max-restarts 0: only the timeout ends the wait
+    out, _ = run(gate, restarts=lambda t: int(t), max_restarts=0)
+    assert out["reason"] == "k31-d0-r0 did not answer /health within 60 s" and out["seconds"] == 60.0
+
+
+def test_the_timeout_names_the_ranks_that_did_not_answer():
+    gate = load()
+    out, clock = run(gate, timeout=12)
+    assert out == {"ok": False, "seconds": 12.0, "healthy": [], "reason":
+                   "k31-d0-r0 did not answer /health within 12 s"}
+    assert clock.sleeps == [1.0] * 10 + [2.0]          # never past the timeout
+
+
+@pytest.fixture
+def health_server():
+    calls = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            calls.append(self.path)
+            self.send_response(503 if len(calls) < 3 else 200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/health", calls
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_real_probe_takes_503_as_not_yet_and_ignores_proxies(health_server, monkeypatch, capsys):
+    url, calls = health_server
+    gate = load()
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")     # nothing listens there: a proxy would fail
+    monkeypatch.setattr(gate.time, "sleep", lambda s: None)
+    assert gate.main(["--timeout", "30", "--target", f"k31-d0-r0={url}"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["healthy"] == ["k31-d0-r0"] and len(calls) == 3
+    assert not gate.answers("http://127.0.0.1:9/health", 1)
+    with pytest.raises(SystemExit):
+        gate.main(["--timeout", "30", "--target", "k31-d0-r0=ftp://x"])
