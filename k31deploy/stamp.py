@@ -50,11 +50,13 @@ def code_digest(root: Path) -> str:
 
 
 def listing_digest(path: Path) -> str:
-    """sha256 over a folder's file names and sizes (the wheelhouse: hundreds of MB, not read)."""
+    """sha256 over a folder's top-level file names and sizes (the wheelhouse: hundreds of MB, not read). Its
+    subfolders are derived caches -- `packs/`, which a deploy writes the first time it copies a wheel set
+    (k31deploy.wheelhouse.pack) -- and counting them made the deploy after the one that packed a whole one."""
     h = hashlib.sha256()
     if path.is_dir():
-        for p in sorted(q for q in path.rglob("*") if q.is_file()):
-            h.update(f"{p.relative_to(path)}\0{p.stat().st_size}\n".encode())
+        for p in sorted(q for q in path.iterdir() if q.is_file()):
+            h.update(f"{p.name}\0{p.stat().st_size}\n".encode())
     return h.hexdigest()
 
 

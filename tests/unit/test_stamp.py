@@ -31,9 +31,10 @@ def project(tmp_path):
     (root / "k31deploy").mkdir()
     (root / "k31deploy" / "stamp.py").write_text((ROOT / "k31deploy" / "stamp.py").read_text())
     (root / "deploy.yml").write_text((ROOT / "deploy.yml").read_text())
-    wheelhouse = tmp_path / "wheelhouse"
-    (wheelhouse / "router").mkdir(parents=True)
-    (wheelhouse / "router" / "a-1.0-py3-none-any.whl").write_bytes(b"x" * 10)
+    wheelhouse = tmp_path / "wheelhouse"          # flat, as k31 wheelhouse build writes it
+    wheelhouse.mkdir()
+    (wheelhouse / "a-1.0-py3-none-any.whl").write_bytes(b"x" * 10)
+    (wheelhouse / "router.txt").write_text("a==1.0\n")
     return root, wheelhouse
 
 
@@ -63,7 +64,7 @@ def test_each_input_changes_the_digest(project, change):
         path = root / "roles" / "k31_engine" / "templates" / "engine.sh.j2"
         path.write_text(path.read_text() + "\n# edited\n")
     elif change == "wheelhouse":
-        (wheelhouse / "router" / "b-2.0-py3-none-any.whl").write_bytes(b"y")
+        (wheelhouse / "b-2.0-py3-none-any.whl").write_bytes(b"y")
     assert digest(project, plan, host_vars) != before
 
 
@@ -72,6 +73,17 @@ def test_what_only_chooses_whether_the_stamp_is_used_or_is_set_by_the_run_is_not
     host_vars = json.loads(json.dumps(VARS))
     host_vars["prefill0"][name] = False
     assert digest(project, PLAN, host_vars) == digest(project)
+
+
+def test_the_packs_a_deploy_writes_into_the_wheelhouse_are_not_an_input(project):
+    """k31deploy.wheelhouse.pack writes packs/<set>.tar the first time a deploy copies a set: derived from the
+    wheels, so the deploy after the one that packed is not whole for it."""
+    _, wheelhouse = project
+    before = digest(project)
+    (wheelhouse / "packs").mkdir()
+    (wheelhouse / "packs" / "router.tar").write_bytes(b"t" * 100)
+    (wheelhouse / "packs" / "router.digest").write_text("0123")
+    assert digest(project) == before
 
 
 def test_compiled_files_are_not_code(project):
