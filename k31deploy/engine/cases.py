@@ -34,7 +34,8 @@ VALUED = {
 # Knobs that never reach an engine's command or env, or that pick the cell itself.
 NOT_ENGINE = {"platform", "agents", "topology", "unified_strategy", "prefill_strategy", "decode_strategy",
               "wide_ep", "router_dialect", "image", "model_path", "draft_model_path", "weights_gb_per_gpu",
-              "dynamo_session_affinity_ttl", "dist_init_port", "engine_build"}
+              "dynamo_session_affinity_ttl", "router_worker_startup_timeout", "dist_init_port",
+              "engine_build"}
 AGENTS = (1, 4, 8, 16, 48, 56, 92)    # seed AMD: the measured agent counts and the 1P1D past 56
 
 

@@ -2,8 +2,8 @@
 Dynamo frontend's, and the Mooncake master's.
 
 Called by the resolver only, with its private _Resolver (a known debt, docs/architecture.md). A rank's argv
-is the exact engine command line; the router's gets what its role adds at start (the API key through
-k31-secret-exec, the launch_router startup timeout).
+is the exact engine command line; the router's is complete but for what its role adds at start (the API key
+through k31-secret-exec).
 """
 
 from __future__ import annotations
@@ -329,6 +329,9 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
         argv += ["--prometheus-host", host.address, "--prometheus-port", str(cat["ports"]["router_metrics"])]
     if tls:
         argv += ["--tls-cert-path", tls["cert"], "--tls-key-path", tls["key"]]
+    if dialect["startup_timeout"]:
+        argv += ["--worker-startup-timeout-secs",
+                 str(r.knob("router_worker_startup_timeout", cfg["worker_startup_timeout_secs"]))]
     launcher_len = len(dialect["launcher"])
     r.emit_check("router", argv[launcher_len:])
     return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,

@@ -258,6 +258,9 @@ class _Resolver:
         self.refuse_unless(self.router == "sglang", "router_dialect", "applies to router=sglang only")
         self.refuse_unless(self.router == "dynamo", "dynamo_session_affinity_ttl", "applies to router=dynamo only")
         self.dialect = self.knob("router_dialect", router_cfg["default_dialect"][self.family_name][self.topology])
+        self.refuse_unless(self.router == "sglang" and router_cfg["dialects"][self.dialect]["startup_timeout"],
+                           "router_worker_startup_timeout", "applies to router=sglang with "
+                           "router_dialect=launch_router only (the seed's sgl-router command has no startup timeout)")
         if self.router == "sglang" and self.dialect == "sgl-router" and self.topology == "unified":
             raise K31Error("router_dialect=sgl-router is the seed's PD command (--prefill/--decode); unified "
                            "servers need router_dialect=launch_router (--worker-urls)")

@@ -130,6 +130,13 @@ def _absolute_path(text: str) -> bool:
             and all(_PATH_PART.fullmatch(p) and p not in (".", "..") for p in parts[1:]))
 
 
+def local_path(setting: str, text: Any, where: str = "") -> str:
+    """A host path k31 writes into a unit or script unquoted (a role's directory variable)."""
+    if isinstance(text, str) and _absolute_path(text):
+        return text
+    raise K31Error(f"{named(setting, text, where)} is not valid; valid: {PATH_VALID}")
+
+
 MODEL_PATH_VALID = f"a Hugging Face id (org/name: letters, digits, '.', '_', '-') or {PATH_VALID}"
 
 

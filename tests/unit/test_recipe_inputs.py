@@ -127,6 +127,16 @@ def test_role_variables_are_not_mistaken_for_knobs():
     assert resolve({"platform": "mi355x", "agents": 16}, layout)["servers"][0]["ranks"][0]["host"] == "a"
 
 
+def test_router_startup_timeout_keeps_its_inventory_variable_as_a_knob():
+    # k31_router_worker_startup_timeout was a k31_router role variable; as knob router_worker_startup_timeout
+    # it keeps its inventory name (INI gives a string) and lands in the plan's router argv.
+    layout = hosts(("a", "k31_prefill", {"k31_router_worker_startup_timeout": "900"}), ("b", "k31_decode", {}),
+                   ("r", "k31_router", {}))
+    plan = resolve({"platform": "mi355x", "agents": 92}, layout)
+    assert plan["router"]["argv"][-2:] == ["--worker-startup-timeout-secs", "900"]
+    assert plan["knobs"]["router_worker_startup_timeout"] == 900
+
+
 def test_placeholder_image_is_refused_at_deploy_time_only():
     assert resolve({"platform": "mi355x", "agents": 16})["image"] == "<K31_MI35X_IMAGE>"
     with pytest.raises(K31Error, match=r"image is <K31_MI35X_IMAGE>: set k31_image"):

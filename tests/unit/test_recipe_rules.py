@@ -356,6 +356,7 @@ def test_seed_sgl_router_command():
     assert flag(args, "--model-id") == "moonshotai/Kimi-K3.1-Pro"
     assert flag(args, "--tokenizer-path") == "/models/Kimi-K3.1-Pro/tokenizer.json"
     assert "--prometheus-host" not in args            # not a flag of that CLI
+    assert "--worker-startup-timeout-secs" not in args    # nor this one (catalog: startup_timeout false)
     assert any("router=sglang is derived" in w for w in p["warnings"])
 
 
@@ -364,6 +365,32 @@ def test_pypi_launch_router_dialect_sets_metrics_listener_explicitly():
     assert r["dialect"] == "launch_router"
     assert flag(r["argv"], "--prometheus-host") == "node0" and flag(r["argv"], "--prometheus-port") == "29000"
     assert "--model-id" not in r["argv"]
+
+
+def test_launch_router_command_is_complete_in_the_plan_with_its_startup_timeout():
+    # The exact command the router unit runs (its role adds only the keys, through k31-secret-exec); the
+    # startup timeout comes last, where router.sh.j2 appended it before it moved into the plan.
+    assert plan(platform="mi355x", agents=92)["router"]["argv"] == [
+        "python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", "http://node0:30000", "8998", "--decode", "http://node1:30100",
+        "--host", "node0", "--port", "8000", "--policy", "power_of_two", "--request-timeout-secs", "540",
+        "--prometheus-host", "node0", "--prometheus-port", "29000", "--worker-startup-timeout-secs", "7200"]
+    unified = plan(platform="mi355x", agents=16, router="sglang", router_worker_startup_timeout=900)["router"]
+    assert unified["argv"][-4:] == ["--prometheus-port", "29000", "--worker-startup-timeout-secs", "900"]
+    assert unified["argv"].count("--worker-startup-timeout-secs") == 1
+    assert plan(platform="mi355x", agents=92, public_tls=True)["router"]["argv"][-6:] == [
+        "--tls-cert-path", "/etc/k31/tls/public.crt", "--tls-key-path", "/etc/k31/tls/public.key",
+        "--worker-startup-timeout-secs", "7200"]
+
+
+@pytest.mark.parametrize("knobs", [
+    {"platform": "gb300", "topology": "pd", "router": "sglang", "speculative": "none"},    # sgl-router
+    {"platform": "gb300", "topology": "pd"},                                                # dynamo
+    {"platform": "mi355x", "agents": 16},                                                   # no router
+])
+def test_router_startup_timeout_knob_is_refused_where_no_router_takes_it(knobs):
+    refused("router_worker_startup_timeout=60 applies to router=sglang with router_dialect=launch_router only",
+            **knobs, router_worker_startup_timeout=60)
 
 
 def test_pd_needs_a_router():
