@@ -584,7 +584,7 @@ class _Resolver:
             "pki": dict(self.cat["pki"]) if self.router == "dynamo" or self.monitoring != "none" else None,
             "warnings": self.warnings,
         }
-        listening = ports.listeners(self, plan)
+        listening = ports.listeners(plan, self.knob("dist_init_port", self.cat["ports"]["dist_init"]))
         ports.check(listening)
         plan["ports"] = ports.table(listening)
         if self.with_lane:
