@@ -7,9 +7,9 @@ import json
 import shlex
 from typing import Any
 
+from k31deploy.catalog import STRATEGY_KNOB
 from k31deploy.engine import lane
 from k31deploy.recipe import catalog, iter_cells, knob_specs, layout_text, parse_sets, resolve
-from k31deploy.recipe.catalog import STRATEGY_KNOB
 from k31deploy.recipe.knobs import coerce
 from k31deploy.recipe.resolver import cell_digest
 

@@ -14,8 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from k31deploy.catalog import catalog
 from k31deploy.errors import K31Error
-from k31deploy.recipe.catalog import catalog
 
 # SGLang 0.5.23 PortArgs.init_new: with DP attention across nodes, six ZMQ ports port_base..port_base+5
 # follow the --dist-init-addr port (port_base = dist_init_port + 1, or below it near 65535).
