@@ -10,10 +10,13 @@ from typing import Any
 
 import yaml
 
+from k31deploy.errors import K31Error
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 ROLES = ("unified", "prefill", "decode")
 STRATEGY_KNOB = {role: f"{role}_strategy" for role in ROLES}
+LAYOUT_KEYS = ("tp", "dcp", "pp", "pcp", "ep", "dp", "nnodes")
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -92,3 +95,19 @@ def mem_fraction_static_max(platform: str, topology: str) -> float | None:
     if cat["platforms"][platform]["family"] == "rocm" and topology == "unified":
         return cat["amd"]["mem_fraction_static_max_single_node"]
     return None
+
+
+def cell_layout(platform: str, cell: dict[str, Any], moe_runner: str | None) -> dict[str, int]:
+    """A cell's layout on a platform: its shape's sizes (1 where not given), EP = TP under MegaMoE (seed:
+    MegaMoE sets EP to the TP size), and nnodes = TP x PP GPUs over the platform's GPUs per node."""
+    cat = catalog()
+    layout = {k: 1 for k in LAYOUT_KEYS}
+    layout.update(cat["shapes"][cell["shape"]])
+    if moe_runner == "megamoe":
+        layout["ep"] = layout["tp"]
+    world = layout["tp"] * layout["pp"]
+    per_node = cat["platforms"][platform]["gpus_per_node"]
+    if world > per_node and world % per_node:
+        raise K31Error(f"shape {cell['shape']} needs {world} GPUs, not a multiple of {per_node} per node")
+    layout["nnodes"] = max(1, world // per_node)
+    return layout

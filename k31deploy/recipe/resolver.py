@@ -24,6 +24,7 @@ from k31deploy.catalog import (
     STRATEGY_KNOB,
     catalog,
     cell_knobs,
+    cell_layout,
     emit_check,
     flag_registry,
     knob_specs,
@@ -42,7 +43,6 @@ from k31deploy.recipe.hosts import Host
 from k31deploy.recipe.knobs import normalise
 from k31deploy.recipe.model import EngineSettings, ServerSpec, Setup
 
-LAYOUT_KEYS = ("tp", "dcp", "pp", "pcp", "ep", "dp", "nnodes")
 VERIFICATION_TEXT = {
     "verified": "Verified",
     "in-progress": "Final Verification In Progress (the recipe runs and is queued for measurement)",
@@ -246,18 +246,6 @@ class _Resolver:
             raise K31Error("moe_runner=trtllm contradicts wide_ep=true: WideEP decode is MegaMoE EP16 (seed)")
         return runner
 
-    def _layout(self, cell: dict[str, Any], runner: str | None) -> dict[str, int]:
-        layout = {k: 1 for k in LAYOUT_KEYS}
-        layout.update(self.cat["shapes"][cell["shape"]])
-        if runner == "megamoe":
-            layout["ep"] = layout["tp"]    # seed: MegaMoE sets EP to the TP size
-        world = layout["tp"] * layout["pp"]
-        per_node = self.pinfo["gpus_per_node"]
-        if world > per_node and world % per_node:
-            raise K31Error(f"shape {cell['shape']} needs {world} GPUs, not a multiple of {per_node} per node")
-        layout["nnodes"] = max(1, world // per_node)
-        return layout
-
     def _router_kind(self) -> None:
         router_cfg = self.cat["router"]
         default = router_cfg["default_kind"][self.family_name][self.topology]
@@ -292,7 +280,7 @@ class _Resolver:
         layouts = {}
         for role, (strategy, cell) in self.cells.items():
             runner = self._moe_runner(role, cell)
-            layouts[role] = (strategy, cell, runner, self._layout(cell, runner))
+            layouts[role] = (strategy, cell, runner, cell_layout(self.platform, cell, runner))
         mooncake = self.knob("kv_offload") == "mooncake"
         hosts = self.inventory
         if hosts is None:
