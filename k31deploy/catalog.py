@@ -1,6 +1,7 @@
 """Loading the recipe data: the catalog, the knob table and the flag registry (k31deploy/data), and the
-few facts several modules read from them (one place each). The lowest recipe layer: it imports no other
-k31deploy module."""
+few facts several modules read from them (one place each): cell layouts, the MI35x mem_fraction_static
+ceiling, the flags.yaml check. Layer: base (docs/architecture.md); it imports errors only, and lives outside
+recipe/ so that importing it does not run the resolver (recipe/__init__.py imports it)."""
 
 from __future__ import annotations
 

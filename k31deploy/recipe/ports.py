@@ -6,6 +6,9 @@ Hosts that share an address are one machine. A range entry (`port`..`port_last`)
 takes one port of the range at each start (a Dynamo worker's request plane). Ports a process picks at run
 time (NCCL's, Mooncake's transfer RPC range 15000-17000 that the k31_rdma role opens, Dynamo's event-plane
 publishers) are not planned and so not listed.
+
+Layer: resolution (docs/architecture.md); it reads the plan dict and the catalog, and imports errors and
+the catalog only.
 """
 
 from __future__ import annotations
