@@ -21,10 +21,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from k31deploy import validate
 from k31deploy.address import url
+from k31deploy.catalog import flag_registry
 from k31deploy.errors import K31Error
-from k31deploy.recipe import validate
-from k31deploy.recipe.catalog import flag_registry
 
 ETCD = "/usr/bin/etcd"          # Debian's etcd-server
 ETCD_NAME = "k31"

@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from k31deploy.errors import K31Error
-from k31deploy.recipe.validate import CONTROL, shown
+from k31deploy.validate import CONTROL, shown
 
 KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 

@@ -18,8 +18,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from k31deploy.catalog import catalog
 from k31deploy.errors import K31Error
-from k31deploy.recipe.catalog import catalog
 
 ANY = ["0.0.0.0/0", "::/0"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from k31deploy.catalog import knob_specs
 from k31deploy.errors import K31Error
-from k31deploy.recipe.catalog import knob_specs
 from k31deploy.recipe.hosts import K31_GROUPS, LAYOUT_VARS, Host, from_mapping
-from k31deploy.recipe.validate import shown
+from k31deploy.validate import shown
 
 
 def load_hosts(source: str) -> list[Host]:

@@ -2,9 +2,12 @@
 --max-running-requests fits.
 
 Pure Python over the plan JSON (docs/architecture.md): the resolver annotates every plan with it
-(servers[].memory), `k31 calc` asks it with more options. The constants and where each comes from are in
-data/memory.yaml. Figures are per GPU unless their name says per server or per node. A server with
-attention DP runs DP workers, each with its own pools; SGLang sizes the pools per worker.
+(servers[].memory), `k31 calc` asks it with more options. It reads a server's typed engine settings from the
+plan (servers[].settings, decided once by the resolver), never its argv; the constants and where each comes
+from are in data/memory.yaml, the env var names it quotes in the catalog. Layer: resolution, below the
+resolver; it imports the catalog and errors only. Figures are per GPU unless their name says per server
+or per node. A server with attention DP runs DP workers, each with its own pools; SGLang sizes the pools
+per worker.
 
 The GPU budget follows upstream SGLang (model_executor kv cache configurator):
     pool = mem_fraction_static x GPU memory - weights - ROCm runtime reserve - MegaMoE workspace
@@ -22,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from k31deploy.catalog import catalog, mem_fraction_static_max
 from k31deploy.errors import K31Error
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "memory.yaml"
@@ -81,26 +85,8 @@ def checkpoint_bytes(path: str, option: str = "--checkpoint") -> int:
     return sum(shard.stat().st_size for shard in shards)
 
 
-def flag_value(argv: list[str], name: str) -> str | bool | None:
-    """Value of a flag in argv: the next token, True for a bare switch, None when absent."""
-    if name not in argv:
-        return None
-    i = argv.index(name)
-    nxt = argv[i + 1] if i + 1 < len(argv) else None
-    return True if nxt is None or nxt.startswith("--") else nxt
-
-
-def _number(value: str | bool | None, cast=float):
-    return None if value is None or value is True else cast(value)
-
-
-def _size_env(text: str) -> int:
-    """`16gb` / `512mb` / bytes, binary units as Mooncake reads them."""
-    text = text.strip().lower()
-    for suffix, size in (("tb", 1 << 40), ("gb", GIB), ("mb", MIB), ("kb", 1 << 10)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * size)
-    return int(text)
+def _number(value: float | int | None, cast=float):
+    return None if value is None else cast(value)
 
 
 class _Server:
@@ -112,8 +98,7 @@ class _Server:
         self.plan = plan
         self.s = server
         self.lay = server["layout"]
-        self.argv = server["ranks"][0]["argv"]
-        self.env = server["ranks"][0]["env"]
+        self.settings = server["settings"]    # what the ranks' argv and env carry, typed (recipe.model)
         self.values: dict[str, Any] = {}
         self.derivation: dict[str, str] = {}
         self.notes: list[str] = []
@@ -154,10 +139,7 @@ class _Server:
                             f"binary)")
 
     def _fraction(self) -> None:
-        # Imported here, not at module load: the resolver imports this module.
-        from k31deploy.recipe.catalog import catalog
-
-        given = _number(flag_value(self.argv, "--mem-fraction-static"))
+        given = _number(self.settings["mem_fraction_static"])
         if given is not None:
             mfs, line = given, "--mem-fraction-static in the plan's argv"
         else:
@@ -165,10 +147,8 @@ class _Server:
         self.mfs = self.put("mem_fraction_static", mfs, line)
         self.static = self.put("static_bytes", int(mfs * self.gpu),
                                f"{mfs} x {fmt_bytes(self.gpu)}: weights and pools live in this share")
-        cat = catalog()
-        limit = cat["amd"]["mem_fraction_static_max_single_node"]
-        rocm = cat["platforms"][self.plan["platform"]]["family"] == "rocm"
-        if rocm and self.plan["topology"] == "unified" and mfs > limit:
+        limit = mem_fraction_static_max(self.plan["platform"], self.plan["topology"])
+        if limit is not None and mfs > limit:
             self.notes.append(f"mem_fraction_static {mfs} is above {limit}: 0.87 and 0.88 overflowed GTT at "
                               f"startup or ran slower on the single-node recipe (seed AMD Memory); set "
                               f"mem_fraction_static")
@@ -177,9 +157,8 @@ class _Server:
         """Upstream's value when --mem-fraction-static is not given (server_args.py)."""
         a = self.c["mem_fraction_static_auto"]
         tier = next(t for t in a["tiers"] if t[0] is None or self.gpu_mib < t[0])
-        chunk = _number(flag_value(self.argv, "--chunked-prefill-size"), int) or tier[1]
-        chunk = max(chunk, a["min_chunk_tokens"])
-        bs = _number(flag_value(self.argv, "--cuda-graph-max-bs-decode"), int) or tier[2 if self.tp < 4 else 3]
+        chunk = max(tier[1], a["min_chunk_tokens"])    # k31 emits no --chunked-prefill-size: upstream's tier
+        bs = _number(self.settings["cuda_graph_max_bs_decode"], int) or tier[2 if self.tp < 4 else 3]
         per_token = a["prefill_mib_per_token"]
         terms = [(f"{a['base_mib']} base", a["base_mib"]),
                  (f"{per_token} x {chunk} prefill chunk", per_token * chunk),
@@ -231,13 +210,14 @@ class _Server:
 
     def _reserves(self) -> None:
         r = self.c["rocm_runtime_reserve"]
-        gib = _number(self.env.get(r["env"]))
+        gib = _number(self.settings["rocm_runtime_reserve_gb"])
+        env = catalog()["amd"]["runtime_reserve_env"]
         self.reserve = self.put("runtime_reserve_bytes", int((gib or 0) * GIB),
-                                f"{r['env']}={gib:g} GiB in the plan's env ({r['source'].split(':')[0]})"
+                                f"{env}={gib:g} GiB in the plan's env ({r['source'].split(':')[0]})"
                                 if gib else "none (the ROCm reserve applies to MI350X / MI355X only)")
         mega = self.c["megamoe"]
         if self.s.get("moe_runner") == "megamoe":
-            cap = int(self.env[mega["token_cap_env"]])
+            cap = int(self.settings["megamoe_token_cap"])
             per = mega["workspace_bytes_per_token_per_ep_rank"]
             ep = self.lay["ep"]
             self.workspace = self.put("megamoe_workspace_bytes", ep * cap * per,
@@ -267,16 +247,15 @@ class _Server:
     def _split_mode(self) -> None:
         """How the engine splits the pool between KDA slots and KV (upstream _handle_max_mamba_cache)."""
         slots_cfg = self.c["kda_slots_per_running_request"]
-        argv, role = self.argv, self.s["role"]
-        radix_off = bool(flag_value(argv, "--disable-radix-cache")) or (
-            role == "decode" and not flag_value(argv, "--disaggregation-decode-enable-radix-cache"))
+        given, role = self.settings, self.s["role"]
+        radix_off = not given["radix_cache"]
         if role == "decode" or radix_off:
             self.ratio = self.put("kda_slots_per_request", slots_cfg["no_radix"],
                                   slots_cfg["no_radix_source"])
         else:
             self.ratio = self.put("kda_slots_per_request", slots_cfg["radix"],
                                   f"radix cache on: {slots_cfg['radix_source']}")
-        planned = _number(flag_value(argv, "--max-running-requests"), int)
+        planned = _number(given["max_running_requests"], int)
         self.n = self.opts.concurrency or planned
         why = ("--concurrency" if self.opts.concurrency else
                "--max-running-requests in the plan's argv" if planned else
@@ -284,7 +263,7 @@ class _Server:
         self.put("max_running_requests", self.n, why)
         self.n_w = math.ceil(self.n / self.dp) if self.n else None
         self.t = self.opts.context_length or 2    # upstream: max_running_requests <= KV tokens // 2
-        explicit = _number(flag_value(argv, "--max-mamba-cache-size"), int)
+        explicit = _number(given["max_mamba_cache_size"], int)
         if explicit is not None:
             self.mode, self.slots_w = "explicit", explicit // self.dp
             self.mode_text = f"--max-mamba-cache-size {explicit} / DP{self.dp}"
@@ -293,7 +272,7 @@ class _Server:
             self.mode_text = "radix cache off: upstream sets one slot per running request"
         else:
             self.mode = "ratio"
-            ratio = _number(flag_value(argv, "--mamba-full-memory-ratio"))
+            ratio = _number(given["mamba_full_memory_ratio"])
             self.r = ratio or self.c["mamba_full_memory_ratio_default"]
             self.mode_text = (f"pool x {self.r:g} / (1 + {self.r:g}) for KDA states "
                               f"(--mamba-full-memory-ratio {self.r:g}, a KDA:KV ratio)")
@@ -425,7 +404,7 @@ class _Server:
     def _host(self) -> None:
         hc = self.c["hicache"]
         offload = self.s.get("kv_offload", "none")
-        hicache = offload in ("hicache", "mooncake") and bool(flag_value(self.argv, "--enable-hierarchical-cache"))
+        hicache = offload in ("hicache", "mooncake")    # both emit --enable-hierarchical-cache
         dram = self._dram()
         if not hicache:
             self.put("host_pinned_bytes_per_gpu", 0, "no HiCache host tier on this server")
@@ -433,8 +412,9 @@ class _Server:
             self.put("host_needed_bytes_per_node", 0)
             self.put("host_fits", True if dram else None)
             return
-        ratio = _number(flag_value(self.argv, "--hicache-ratio")) or hc["ratio_default"]
-        mamba_ratio = _number(self.env.get(hc["mamba_host_ratio_env"])) or ratio
+        ratio = _number(self.settings["hicache_ratio"]) or hc["ratio_default"]
+        mamba_ratio = _number(self.settings["hicache_mamba_host_ratio"]) or ratio
+        mamba_env = catalog()["hicache"]["rocm"]["mamba_host_ratio_env"]
         if self.pool is None:
             self.put("host_pinned_bytes_per_gpu", None,
                      f"{ratio:g} x GPU KV + {mamba_ratio:g} x GPU KDA states: needs the weights per GPU")
@@ -443,10 +423,10 @@ class _Server:
             return
         kv_target = self.tokens_w * self.c_target
         kda = self.slots_w * self.k
-        segment = _size_env(self.env[hc["mooncake_segment_env"]]) if offload == "mooncake" else 0
+        segment = self.settings["mooncake_segment_bytes"] if offload == "mooncake" else 0
         per_gpu = int(ratio * kv_target + mamba_ratio * kda + segment)
         line = (f"--hicache-ratio {ratio:g} x {fmt_bytes(kv_target)} target KV + "
-                f"{hc['mamba_host_ratio_env']} {mamba_ratio:g} x {fmt_bytes(kda)} KDA states")
+                f"{mamba_env} {mamba_ratio:g} x {fmt_bytes(kda)} KDA states")
         if segment:
             line += f" + {fmt_bytes(segment)} Mooncake store segment"
         self.put("host_pinned_bytes_per_gpu", per_gpu,

@@ -7,9 +7,9 @@ import json
 import shlex
 from typing import Any
 
+from k31deploy.catalog import STRATEGY_KNOB, cell_layout
 from k31deploy.engine import lane
 from k31deploy.recipe import catalog, iter_cells, knob_specs, layout_text, parse_sets, resolve
-from k31deploy.recipe.catalog import STRATEGY_KNOB
 from k31deploy.recipe.knobs import coerce
 from k31deploy.recipe.resolver import cell_digest
 
@@ -127,13 +127,12 @@ def catalog_rows(platform: str | None = None) -> list[dict[str, Any]]:
         if platform and plat != platform:
             continue
         shape = {"tp": 1, "pp": 1, **cat["shapes"][cell["shape"]]}
-        per_node = cat["platforms"][plat]["gpus_per_node"]
         gpus = shape["tp"] * shape["pp"]
         rows.append({
             "platform": plat, "role": role,
             "strategy": f"({cell['knob']}=true)" if cell.get("knob") else strategy,
             "layout": layout_text(shape) + (" MegaMoE" if cell.get("moe_runner") == "megamoe" else ""),
-            "nodes": max(1, gpus // per_node), "gpus": gpus,
+            "nodes": cell_layout(plat, cell, None)["nnodes"], "gpus": gpus,
             "verification": cell["verification"], "default": bool(cell.get("default")),
         })
         rows[-1]["engine"], rows[-1]["engine_check"] = engine_verdict(plat, role, strategy)

@@ -16,11 +16,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from k31deploy.catalog import cell_knobs
 from k31deploy.engine import lane
 from k31deploy.engine.cli import ENGINE_DIR
 from k31deploy.errors import K31Error
 from k31deploy.recipe import catalog, iter_cells, knob_specs, resolve
-from k31deploy.recipe.catalog import cell_knobs
 
 # One value per knob that changes an engine command beyond its cell's default (knobs.yaml). Choice
 # knobs take every choice; the others one value inside their range.

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from k31deploy import memory
+from k31deploy.catalog import catalog
 from k31deploy.errors import K31Error
 from k31deploy.hostcheck import gpu, mnnvl, rdma, system
-from k31deploy.recipe.catalog import catalog
 
 GB = 10**9
 # A GPU reports a little less than its HBM (firmware, ECC): an H200 141 GiB shows 143,771 MiB (99.6%).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from k31deploy.recipe.catalog import catalog
+from k31deploy.catalog import catalog
 
 
 def nvl72(plan: dict[str, Any]) -> bool:

@@ -26,9 +26,9 @@ from typing import Any
 import yaml
 
 from k31deploy import address as addr
+from k31deploy.catalog import flag_registry
 from k31deploy.launch import metrics_targets
 from k31deploy.monitoring import dashboard, rules
-from k31deploy.recipe.catalog import flag_registry
 
 # Where k31_monitoring puts its files on the monitoring host (root:prometheus, 0750/0640: the Debian units
 # run as user prometheus).

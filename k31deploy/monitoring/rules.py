@@ -47,7 +47,6 @@ from typing import Any
 import yaml
 
 from k31deploy.errors import K31Error
-from k31deploy.memory import flag_value
 
 # -- upstream metric names --------------------------------------------------------------------------------
 # SGLang: sgl-project/sglang python/sglang/srt/observability/metrics_collector.py (commit 44cedc2b; the same
@@ -134,7 +133,7 @@ def ttft_threshold(server: dict[str, Any], settings: dict[str, Any]) -> float:
         return float(given)
     if given is not None and not isinstance(given, dict):
         raise K31Error(f"monitoring setting ttft_p90_seconds is {given!r}; it takes a number or {{server: number}}")
-    interval = flag_value(server["ranks"][0]["argv"], "--prefill-decode-interval")
+    interval = server["settings"]["prefill_decode_interval"]
     return SEED_TTFT_P90[16] if interval is not None and int(interval) >= 16 else SEED_TTFT_P90[8]
 
 

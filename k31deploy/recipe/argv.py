@@ -1,19 +1,28 @@
 """The command lines and environments the plan carries: each engine rank's argv and env, the router's or
 Dynamo frontend's, and the Mooncake master's.
 
-Called by the resolver only, with its private _Resolver (a known debt, docs/architecture.md). A rank's argv
+Layer: resolution (docs/architecture.md). Called by the resolver with the frozen description of the plan
+(recipe.model: Setup, ServerSpec); it decides nothing the resolver has not, it spells the resolved values as
+flags and env vars from the catalog. It imports the catalog, recipe.model and address only. A rank's argv
 is the exact engine command line; the router's is complete but for what its role adds at start (the API key
-through k31-secret-exec).
+through k31-secret-exec). Checking an engine command against the engine build's parser is the resolver's
+(it keeps the branch-only record); flags.yaml registration is checked here (catalog.emit_check).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from k31deploy.address import host_port, http_url, url
+from k31deploy.catalog import catalog, emit_check
+from k31deploy.recipe.model import ServerSpec, Setup
 
-if TYPE_CHECKING:
-    from k31deploy.recipe.resolver import Server, _Resolver
+# Behind Dynamo the resolver adds this warning once (argv.env puts the parsers in the workers' env).
+DYNAMO_PARSER_WARNING = (
+    "behind Dynamo the seed's --tool-call-parser goes to the workers as DYN_TOOL_CALL_PARSER (and the "
+    "reasoning parser also as DYN_REASONING_PARSER): the frontend parses with the parsers the worker "
+    "registers, and dynamo.sglang refuses SGLang's --tool-call-parser next to them (ai-dynamo 1.6.1 "
+    "components/src/dynamo/sglang/args.py)")
 
 
 def _extend(argv: list[str], flags: dict[str, Any]) -> None:
@@ -27,21 +36,20 @@ def _extend(argv: list[str], flags: dict[str, Any]) -> None:
 
 
 class EngineArgv:
-    def __init__(self, r: _Resolver):
-        self.r = r
-        self.cat = r.cat
+    def __init__(self, setup: Setup):
+        self.r = setup
+        self.cat = catalog()
 
     # -- engines ---------------------------------------------------------------------------------
-    def server(self, s: Server) -> dict[str, Any]:
+    def server(self, s: ServerSpec) -> dict[str, Any]:
+        """The plan's server entry; rank 0's engine command (after launcher()) is for the resolver to check."""
         port = self.cat["ports"][s.role]
         bootstrap = self.cat["ports"]["bootstrap"] if s.role == "prefill" else None
         ranks = []
         for rank, host in enumerate(s.hosts):
             argv = self.argv(s, rank, port)
             if self.r.tpu:
-                self.r.emit_check("tpu", argv[len(self.launcher()):])
-            elif rank == 0:    # ranks differ only in --node-rank
-                self.r.engine_check(s.name, argv[len(self.launcher()):])
+                emit_check("tpu", argv[len(self.launcher()):])
             ranks.append({"host": host.name, "address": host.address, "node_rank": rank,
                           "unit": f"k31-{s.name}-r{rank}", "argv": argv, "env": self.env(s, port, host.address),
                           "env_from_files": self.dynamo_env_from_files(),
@@ -58,10 +66,11 @@ class EngineArgv:
             "speculative": "dflash" if s.speculative else "none",
             "kv_offload": s.kv_offload,
             "monokernel": s.monokernel,
+            "settings": s.settings.as_dict(),
             "ranks": ranks,
         }
 
-    def auth_file(self, s: Server, rank: int) -> str | None:
+    def auth_file(self, s: ServerSpec, rank: int) -> str | None:
         """The 0600 YAML an engine serving HTTP reads its API keys from (None behind Dynamo, or on TPU)."""
         if self.r.router == "dynamo" or self.r.tpu:
             return None
@@ -72,8 +81,9 @@ class EngineArgv:
             return list(self.cat["dynamo"]["worker"])
         return list(self.r.family["launcher"])
 
-    def argv(self, s: Server, rank: int, port: int) -> list[str]:
+    def argv(self, s: ServerSpec, rank: int, port: int) -> list[str]:
         r, cat, k = self.r, self.cat, self.r.knob
+        st = s.settings
         argv = self.launcher()
         if r.tpu:
             return argv    # seed 3.4: everything else lives in the launcher's config
@@ -89,7 +99,7 @@ class EngineArgv:
         flags["--tp-size"] = lay["tp"]
         if lay["dp"] > 1:    # attention DP, spelled as the engine build spells it
             flags.update({flag: lay["dp"] if value == "dp" else value
-                          for flag, value in r.build_cfg["attention_dp_flags"].items()})
+                          for flag, value in r.attention_dp_flags.items()})
         flags.update({
             "--pp-size": lay["pp"] if lay["pp"] > 1 else None,
             # MegaMoE sets EP itself (EP = TP); TRT-LLM takes the cell's EP.
@@ -105,7 +115,7 @@ class EngineArgv:
         if lay["nnodes"] > 1:
             head = s.hosts[0].address
             flags.update({"--nnodes": lay["nnodes"], "--node-rank": rank,
-                          "--dist-init-addr": host_port(head, k("dist_init_port", cat["ports"]["dist_init"]))})
+                          "--dist-init-addr": host_port(head, dist_init_port(r))})
         if s.role in ("prefill", "decode"):
             flags.update({
                 "--disaggregation-mode": s.role,
@@ -119,16 +129,16 @@ class EngineArgv:
         self._speculative(s, flags)
         self._hicache(s, flags)
         flags.update({
-            "--max-mamba-cache-size": k("kda_state_slots"),
-            "--mamba-full-memory-ratio": k("mamba_full_memory_ratio"),
+            "--max-mamba-cache-size": st.max_mamba_cache_size,
+            "--mamba-full-memory-ratio": st.mamba_full_memory_ratio,
         })
-        if "kda_states_per_path" in r.k:
-            flags["--mamba-max-states-per-path"] = r.k["kda_states_per_path"]
+        if "kda_states_per_path" in r.knobs:
+            flags["--mamba-max-states-per-path"] = r.knobs["kda_states_per_path"]
         flags.update({
-            "--max-running-requests": s.max_running_requests,
-            "--cuda-graph-max-bs-decode": s.cuda_graph_max_bs_decode,
-            "--mem-fraction-static": k("mem_fraction_static", self._mem_fraction_default()),
-            "--prefill-decode-interval": k("prefill_decode_interval"),
+            "--max-running-requests": st.max_running_requests,
+            "--cuda-graph-max-bs-decode": st.cuda_graph_max_bs_decode,
+            "--mem-fraction-static": st.mem_fraction_static,
+            "--prefill-decode-interval": st.prefill_decode_interval,
             "--cuda-graph-backend-prefill": k("prefill_cuda_graph") if s.role != "decode" else None,
             "--enable-symm-mem": bool(k("enable_symm_mem")),
         })
@@ -146,12 +156,7 @@ class EngineArgv:
         _extend(argv, flags)
         return argv
 
-    def _mem_fraction_default(self) -> float | None:
-        if self.r.rocm and self.r.topology == "unified":
-            return self.cat["amd"]["mem_fraction_static_max_single_node"]
-        return None
-
-    def _moe(self, s: Server, flags: dict[str, Any]) -> None:
+    def _moe(self, s: ServerSpec, flags: dict[str, Any]) -> None:
         if s.moe_runner != "megamoe":
             return
         mega = self.cat["moe_runners"]["megamoe"]
@@ -160,7 +165,7 @@ class EngineArgv:
             flags["--shared-experts-tp-size"] = self.r.knob(
                 "shared_experts_tp_size", mega["flat_tp_flags"]["--shared-experts-tp-size"])
 
-    def _speculative(self, s: Server, flags: dict[str, Any]) -> None:
+    def _speculative(self, s: ServerSpec, flags: dict[str, Any]) -> None:
         if not s.speculative:
             return
         dflash = self.cat["speculative"]["dflash"]
@@ -173,46 +178,45 @@ class EngineArgv:
         if s.layout["dp"] > 1:
             flags.update(dflash["attention_dp"]["flags"])
 
-    def _hicache(self, s: Server, flags: dict[str, Any]) -> None:
+    def _hicache(self, s: ServerSpec, flags: dict[str, Any]) -> None:
         hc, k = self.cat["hicache"], self.r.knob
         if s.hicache:
             if self.r.rocm:
                 flags.update(hc["rocm"]["flags"])
-                flags["--hicache-ratio"] = k("hicache_ratio", hc["rocm"]["ratio"])
+                flags["--hicache-ratio"] = s.settings.hicache_ratio
                 flags["--hicache-write-policy"] = k("hicache_write_policy", hc["rocm"]["write_policy"])
             else:
                 flags.update(hc["overlay"]["flags"])
-                flags["--hicache-ratio"] = k("hicache_ratio")
+                flags["--hicache-ratio"] = s.settings.hicache_ratio
                 flags["--hicache-write-policy"] = k("hicache_write_policy")
             if s.kv_offload == "mooncake":
                 flags.update(hc["mooncake"]["flags"])
         if s.decode_radix:
             flags[hc["decode_radix_flag"]] = True
 
-    def env(self, s: Server, port: int, address: str) -> dict[str, str]:
-        r, cat = self.r, self.cat
+    def env(self, s: ServerSpec, port: int, address: str) -> dict[str, str]:
+        r, cat, st = self.r, self.cat, s.settings
         env: dict[str, Any] = dict(r.family["env"])
         env.update(s.cell.get("env", {}))
-        if s.layout["pp"] > 1 and "pp_layer_partition" in r.k:
-            env[cat["pp"]["partition_env"]] = r.k["pp_layer_partition"]
+        if s.layout["pp"] > 1 and "pp_layer_partition" in r.knobs:
+            env[cat["pp"]["partition_env"]] = r.knobs["pp_layer_partition"]
         if r.rocm:
             amd = cat["amd"]
-            env[amd["runtime_reserve_env"]] = amd["runtime_reserve_gb"]["dcp" if s.layout["dcp"] > 1 else "tp"]
+            env[amd["runtime_reserve_env"]] = st.rocm_runtime_reserve_gb
             if s.monokernel:
                 env.update(amd["monokernel"]["env"])
             if s.hicache:
                 hc = cat["hicache"]["rocm"]
-                env[hc["mamba_host_ratio_env"]] = r.knob(
-                    "hicache_mamba_host_ratio", s.cell.get("hicache_mamba_host_ratio", hc["mamba_host_ratio"]))
+                env[hc["mamba_host_ratio_env"]] = st.hicache_mamba_host_ratio
                 env.update(hc["env"])
-        elif s.hicache and "hicache_mamba_host_ratio" in r.k:
-            env[cat["hicache"]["rocm"]["mamba_host_ratio_env"]] = r.k["hicache_mamba_host_ratio"]
+        elif st.hicache_mamba_host_ratio is not None:
+            env[cat["hicache"]["rocm"]["mamba_host_ratio_env"]] = st.hicache_mamba_host_ratio
         if s.speculative and s.layout["dp"] > 1:
             env.update(cat["speculative"]["dflash"]["attention_dp"]["env"])
         if s.moe_runner == "megamoe":
             mega = cat["moe_runners"]["megamoe"]
-            env[mega["token_cap_env"]] = r.knob("megamoe_token_cap", mega["token_cap"][s.role])
-        if r.pinfo.get("nvl72"):
+            env[mega["token_cap_env"]] = st.megamoe_token_cap
+        if r.nvl72:
             if s.layout["nnodes"] > 1:
                 env.update(cat["nvl72"]["multinode_env"])
             if s.role != "unified" and r.knob("mooncake_mnnvl", True):
@@ -228,10 +232,6 @@ class EngineArgv:
             # tokenizer path: SGLang returns token ids, so SGLang's own parsers never see the text).
             env[dyn["worker_parser_env"]["reasoning"]] = r.knob("reasoning_parser", cat["parsers"]["reasoning"])
             env[dyn["worker_parser_env"]["tool_call"]] = r.knob("tool_call_parser", cat["parsers"]["tool_call"])
-            r.warn("behind Dynamo the seed's --tool-call-parser goes to the workers as DYN_TOOL_CALL_PARSER (and the "
-                   "reasoning parser also as DYN_REASONING_PARSER): the frontend parses with the parsers the worker "
-                   "registers, and dynamo.sglang refuses SGLang's --tool-call-parser next to them (ai-dynamo 1.6.1 "
-                   "components/src/dynamo/sglang/args.py)")
             env[dyn["worker_system_port_env"]] = port
             env[dyn["worker_system_host_env"]] = address    # its status server, on the cluster address
             env.update(self.dynamo_discovery_env(address))    # DYN_TCP_RPC_PORT: request_plane_ports
@@ -272,15 +272,20 @@ class EngineArgv:
         # upstream binds both on 0.0.0.0 by default (mooncake_master --helpfull): the cluster address only.
         argv = ["mooncake_master", f"--rpc_address={host.address}", f"--rpc_port={ports['mooncake_master']}",
                 f"--metrics_host={host.address}", f"--metrics_port={ports['mooncake_metrics']}"]
-        self.r.emit_check("mooncake_master", argv[1:])
+        emit_check("mooncake_master", argv[1:])
         return {"host": host.name, "address": host.address, "port": ports["mooncake_master"],
                 "metrics_port": ports["mooncake_metrics"], "unit": "k31-mooncake-master", "argv": argv}
 
 
-def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
+def dist_init_port(setup: Setup) -> int:
+    """The multi-node rendezvous port (--dist-init-addr): the knob, else the catalog's."""
+    return setup.knob("dist_init_port", catalog()["ports"]["dist_init"])
+
+
+def router_plan(r: Setup, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
     if r.router == "none":
         return None
-    cat, host = r.cat, r.router_host
+    cat, host = catalog(), r.router_host
     cfg = cat["router"]
     tls = dict(cat["public_tls"]) if r.public_tls else None
     if r.router == "dynamo":
@@ -289,7 +294,7 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
                 "--router-mode", dyn["router_mode"], "--router-session-affinity-ttl-secs",
                 str(r.knob("dynamo_session_affinity_ttl", dyn["session_affinity_ttl_secs"])),
                 "--discovery-backend", dyn["discovery_backend"], "--event-plane", dyn["event_plane"]]
-        r.emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
+        emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
         env = EngineArgv(r).dynamo_discovery_env(host.address)
         env["DYN_TCP_RESPONSE_STREAM_PORT"] = str(cat["ports"]["dynamo_response"])
         env.update(dyn["frontend_env"])
@@ -333,7 +338,7 @@ def router_plan(r: _Resolver, servers: list[dict[str, Any]]) -> dict[str, Any] |
         argv += ["--worker-startup-timeout-secs",
                  str(r.knob("router_worker_startup_timeout", cfg["worker_startup_timeout_secs"]))]
     launcher_len = len(dialect["launcher"])
-    r.emit_check("router", argv[launcher_len:])
+    emit_check("router", argv[launcher_len:])
     return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,
             "public_address": host.public_address, "port": cat["ports"]["router"], "tls": tls,
             "mounts": [tls["dir"]] if tls else [], "unit": "k31-router",

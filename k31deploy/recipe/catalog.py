@@ -1,74 +1,20 @@
-"""Loading the recipe data: the catalog, the knob table and the flag registry (k31deploy/data)."""
+"""The recipe data's loader lives in k31deploy.catalog (the lowest layer, outside this package so that
+importing it does not run the resolver); this name is kept for importers that still use it."""
 
-from __future__ import annotations
+from k31deploy.catalog import (
+    DATA_DIR,
+    ROLES,
+    STRATEGY_KNOB,
+    catalog,
+    cell_knobs,
+    emit_check,
+    flag_registry,
+    iter_cells,
+    knob_specs,
+    mem_fraction_static_max,
+    offered,
+    platform_cells,
+)
 
-from functools import cache
-from pathlib import Path
-from typing import Any
-
-import yaml
-
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-
-ROLES = ("unified", "prefill", "decode")
-STRATEGY_KNOB = {role: f"{role}_strategy" for role in ROLES}
-
-
-def _load(name: str) -> dict[str, Any]:
-    with (DATA_DIR / name).open(encoding="utf-8") as fh:
-        return yaml.safe_load(fh)
-
-
-@cache
-def catalog() -> dict[str, Any]:
-    """The recipe catalog (data/catalog.yaml)."""
-    return _load("catalog.yaml")
-
-
-@cache
-def knob_specs() -> dict[str, dict[str, Any]]:
-    """Knob name -> spec (data/knobs.yaml); `choices_from` is expanded against the catalog."""
-    specs = _load("knobs.yaml")
-    for spec in specs.values():
-        if "choices_from" in spec:
-            spec["choices"] = list(catalog()[spec.pop("choices_from")])
-    return specs
-
-
-@cache
-def flag_registry() -> dict[str, dict[str, Any]]:
-    """Section -> flag -> spec (data/flags.yaml)."""
-    return _load("flags.yaml")
-
-
-def platform_cells(platform: str) -> dict[str, dict[str, dict[str, Any]]]:
-    return catalog()["cells"][platform]
-
-
-def offered(platform: str, role: str) -> list[str]:
-    """Strategy names a platform offers for a role (cells chosen by a knob are not strategies)."""
-    cells = platform_cells(platform).get(role, {})
-    return [name for name, cell in cells.items() if "knob" not in cell]
-
-
-def iter_cells():
-    """Yield (platform, role, strategy, cell) for every cell of the catalog."""
-    for platform, roles in catalog()["cells"].items():
-        for role, cells in roles.items():
-            for strategy, cell in cells.items():
-                yield platform, role, strategy, cell
-
-
-def cell_knobs(platform: str, role: str, strategy: str, cell: dict[str, Any]) -> dict[str, Any]:
-    """The knobs that select one catalog cell as its canonical plan: a PD cell with the other role's
-    default, and an explicit --max-running-requests (DFLASH and MegaMoE need one; 64 is the seed's
-    MI355X figure at 56 agents)."""
-    knobs: dict[str, Any] = {"platform": platform}
-    if platform != "tpu7x":
-        knobs["max_running_requests"] = 64
-    if role == "unified":
-        knobs["unified_strategy"] = strategy
-    else:
-        knobs["topology"] = "pd"
-        knobs.update({cell["knob"]: True} if cell.get("knob") else {STRATEGY_KNOB[role]: strategy})
-    return knobs
+__all__ = ["DATA_DIR", "ROLES", "STRATEGY_KNOB", "catalog", "cell_knobs", "emit_check", "flag_registry",
+           "iter_cells", "knob_specs", "mem_fraction_static_max", "offered", "platform_cells"]

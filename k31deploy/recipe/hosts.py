@@ -16,10 +16,9 @@ from typing import Any
 
 import yaml
 
-from k31deploy import envfile
+from k31deploy import envfile, validate
+from k31deploy.catalog import ROLES, knob_specs
 from k31deploy.errors import K31Error
-from k31deploy.recipe import validate
-from k31deploy.recipe.catalog import ROLES, knob_specs
 from k31deploy.recipe.knobs import closest
 
 ENGINE_GROUPS = {role: f"k31_{role}" for role in ROLES}

@@ -1,6 +1,6 @@
 """Knob values: parsing `--set knob=VALUE` strings and checking inventory values against data/knobs.yaml.
 
-Every value goes through k31deploy.recipe.validate: control characters are refused for every kind, strings
+Every value goes through k31deploy.validate: control characters are refused for every kind, strings
 are checked against their `format` (image reference, model path, RDMA devices, layer partition), numbers
 must be finite and within the knob's range (a C int when knobs.yaml gives no bound).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from k31deploy import validate
+from k31deploy.catalog import catalog, knob_specs
 from k31deploy.errors import K31Error
-from k31deploy.recipe import validate
-from k31deploy.recipe.catalog import catalog, knob_specs
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}

@@ -6,18 +6,19 @@ Hosts that share an address are one machine. A range entry (`port`..`port_last`)
 takes one port of the range at each start (a Dynamo worker's request plane). Ports a process picks at run
 time (NCCL's, Mooncake's transfer RPC range 15000-17000 that the k31_rdma role opens, Dynamo's event-plane
 publishers) are not planned and so not listed.
+
+Layer: resolution (docs/architecture.md); it reads the plan dict and the catalog, and imports errors and
+the catalog only.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from k31deploy.catalog import catalog
 from k31deploy.errors import K31Error
-
-if TYPE_CHECKING:
-    from k31deploy.recipe.resolver import _Resolver
 
 # SGLang 0.5.23 PortArgs.init_new: with DP attention across nodes, six ZMQ ports port_base..port_base+5
 # follow the --dist-init-addr port (port_base = dist_init_port + 1, or below it near 65535).
@@ -53,8 +54,10 @@ class Listener:
         return found
 
 
-def listeners(r: _Resolver, plan: dict[str, Any]) -> list[Listener]:
-    ports = r.cat["ports"]
+def listeners(plan: dict[str, Any], dist_init_port: int) -> list[Listener]:
+    """Every listener of a plan; `dist_init_port` is the multi-node rendezvous port as resolved (the knob,
+    else the catalog's)."""
+    ports = catalog()["ports"]
     dynamo = plan["router"] is not None and plan["router"]["kind"] == "dynamo"
     found: list[Listener] = []
     for s in plan["servers"]:
@@ -78,7 +81,7 @@ def listeners(r: _Resolver, plan: dict[str, Any]) -> list[Listener]:
                 found.append(Listener(host, addr, s["bootstrap_port"], "sglang-bootstrap",
                                       f"{name}: PD bootstrap server the decode servers fetch KV metadata from"))
             if n == 0 and nnodes > 1:
-                port = r.knob("dist_init_port", ports["dist_init"])
+                port = dist_init_port
                 found.append(Listener(host, addr, port, "torch-dist-init",
                                       f"{name}: --dist-init-addr rendezvous of its {nnodes} nodes", "dist_init_port"))
                 if s["layout"]["dp"] > 1:

@@ -6,33 +6,43 @@ recipe.hosts); with resolve_names=True (a deploy) it also looks host names up in
 input gives the same plan. The plan is built here with argv.py (command lines and env), ports.py (the port
 table), engine.lane (engine_check) and memory (servers[].memory); its contract is in docs/architecture.md.
 Every refusal is a K31Error with one sentence naming the setting and the valid choices.
+
+Layer: resolution, its top (docs/architecture.md). The pipeline below works on mutable Server records; at
+the end it freezes them into recipe.model's Setup / ServerSpec (every value decided, engine settings
+included) and hands those to argv.py, which imports nothing of this module: the imports run one way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
+from types import MappingProxyType
 from typing import Any
 
-from k31deploy.engine import cli as engine_cli
-from k31deploy.engine import lane
-from k31deploy.errors import K31Error
-from k31deploy.recipe import hosts as hostlib
-from k31deploy.recipe import ports
-from k31deploy.recipe.catalog import (
+from k31deploy.catalog import (
     ROLES,
     STRATEGY_KNOB,
     catalog,
     cell_knobs,
+    cell_layout,
+    emit_check,
     flag_registry,
     knob_specs,
+    mem_fraction_static_max,
     offered,
     platform_cells,
 )
+from k31deploy.engine import cli as engine_cli
+from k31deploy.engine import lane
+from k31deploy.errors import K31Error
+from k31deploy.memory import Options, annotate_plan
+from k31deploy.recipe import hosts as hostlib
+from k31deploy.recipe import ports
+from k31deploy.recipe.argv import DYNAMO_PARSER_WARNING, EngineArgv, dist_init_port, router_plan
 from k31deploy.recipe.hosts import Host
 from k31deploy.recipe.knobs import normalise
+from k31deploy.recipe.model import EngineSettings, ServerSpec, Setup
 
-LAYOUT_KEYS = ("tp", "dcp", "pp", "pcp", "ep", "dp", "nnodes")
 VERIFICATION_TEXT = {
     "verified": "Verified",
     "in-progress": "Final Verification In Progress (the recipe runs and is queued for measurement)",
@@ -42,6 +52,8 @@ VERIFICATION_TEXT = {
 
 @dataclass
 class Server:
+    """A server while the pipeline decides it (mutable); frozen into a ServerSpec for the plan."""
+
     name: str
     role: str
     strategy: str
@@ -56,6 +68,7 @@ class Server:
     max_running_requests: int | None = None
     cuda_graph_max_bs_decode: int | None = None
     decode_radix: bool = False
+    megamoe_token_cap: int | None = None
 
     @property
     def flat_tp(self) -> bool:
@@ -233,18 +246,6 @@ class _Resolver:
             raise K31Error("moe_runner=trtllm contradicts wide_ep=true: WideEP decode is MegaMoE EP16 (seed)")
         return runner
 
-    def _layout(self, cell: dict[str, Any], runner: str | None) -> dict[str, int]:
-        layout = {k: 1 for k in LAYOUT_KEYS}
-        layout.update(self.cat["shapes"][cell["shape"]])
-        if runner == "megamoe":
-            layout["ep"] = layout["tp"]    # seed: MegaMoE sets EP to the TP size
-        world = layout["tp"] * layout["pp"]
-        per_node = self.pinfo["gpus_per_node"]
-        if world > per_node and world % per_node:
-            raise K31Error(f"shape {cell['shape']} needs {world} GPUs, not a multiple of {per_node} per node")
-        layout["nnodes"] = max(1, world // per_node)
-        return layout
-
     def _router_kind(self) -> None:
         router_cfg = self.cat["router"]
         default = router_cfg["default_kind"][self.family_name][self.topology]
@@ -279,7 +280,7 @@ class _Resolver:
         layouts = {}
         for role, (strategy, cell) in self.cells.items():
             runner = self._moe_runner(role, cell)
-            layouts[role] = (strategy, cell, runner, self._layout(cell, runner))
+            layouts[role] = (strategy, cell, runner, cell_layout(self.platform, cell, runner))
         mooncake = self.knob("kv_offload") == "mooncake"
         hosts = self.inventory
         if hosts is None:
@@ -433,7 +434,7 @@ class _Resolver:
                 self.warn(f"{s.name}: the High-Throughput prefill cell carries MegaMoE; TRT-LLM here was "
                           f"not measured (seed)")
             if s.moe_runner == "megamoe":
-                cap = self.knob("megamoe_token_cap", cfg["token_cap"][s.role])
+                cap = s.megamoe_token_cap = self.knob("megamoe_token_cap", cfg["token_cap"][s.role])
                 self.warn(f"{s.name}: MegaMoE reserves a symmetric workspace growing with EP "
                           f"{s.layout['ep']} × token cap {cap}; lower mem_fraction_static if startup runs out "
                           f"of memory (seed)")
@@ -471,8 +472,8 @@ class _Resolver:
     def _other_checks(self) -> None:
         k = self.k
         mfs = k.get("mem_fraction_static")
-        limit = self.cat["amd"]["mem_fraction_static_max_single_node"]
-        if mfs is not None and self.rocm and self.topology == "unified" and mfs > limit:
+        limit = mem_fraction_static_max(self.platform, self.topology)
+        if mfs is not None and limit is not None and mfs > limit:
             raise K31Error(
                 f"mem_fraction_static={mfs} is too high on the {self.platform} single-node recipe: 0.87 and 0.88 "
                 f"overflowed GTT at startup or ran slower (seed AMD Memory); valid: <= {limit}"
@@ -563,10 +564,16 @@ class _Resolver:
                 f"image is {image or 'not set'}: set k31_image (or --set image=REF) to the {self.family['runtime']} "
                 f"serving image before a deploy (the seed's commands show the placeholder {self.family['image']})"
             )
-        from k31deploy.recipe.argv import EngineArgv, router_plan
-
-        engine = EngineArgv(self)
-        servers = [engine.server(s) for s in self.servers]
+        setup = self._setup()
+        engine = EngineArgv(setup)
+        servers = []
+        for spec in map(self._spec, self.servers):
+            server = engine.server(spec)
+            if not self.tpu:    # ranks differ only in --node-rank
+                self.engine_check(spec.name, server["ranks"][0]["argv"][len(engine.launcher()):])
+            if self.router == "dynamo":
+                self.warn(DYNAMO_PARSER_WARNING)
+            servers.append(server)
         plan = {
             "model": self.cat["model"]["name"],
             "platform": self.platform,
@@ -576,7 +583,7 @@ class _Resolver:
             "container_flags": self._container_flags(),
             "knobs": self._resolved_knobs(),
             "servers": servers,
-            "router": router_plan(self, servers),
+            "router": router_plan(setup, servers),
             "mooncake_master": engine.mooncake_master(),
             "monitoring": self._monitoring(servers),
             # the cluster CA's files (k31 pki) wherever a control plane authenticates by certificate:
@@ -584,18 +591,59 @@ class _Resolver:
             "pki": dict(self.cat["pki"]) if self.router == "dynamo" or self.monitoring != "none" else None,
             "warnings": self.warnings,
         }
-        listening = ports.listeners(self, plan)
+        listening = ports.listeners(plan, dist_init_port(setup))
         ports.check(listening)
         plan["ports"] = ports.table(listening)
         if self.with_lane:
             for text in lane.annotate(plan, self.pinfo, self.family, self.build_cfg["reference"],
                                       self._base_digest):
                 self.warn(text)
-        # Imported here: the memory model reads plans, and importing it at the top is a cycle.
-        from k31deploy.memory import Options, annotate_plan
-
         annotate_plan(plan, Options(weights_gb_per_gpu=self.k.get("weights_gb_per_gpu")))
         return plan
+
+    def _setup(self) -> Setup:
+        return Setup(platform=self.platform, topology=self.topology, router=self.router, dialect=self.dialect,
+                     public_tls=self.public_tls, transfer=self.transfer,
+                     attention_dp_flags=MappingProxyType(dict(self.build_cfg.get("attention_dp_flags", {}))),
+                     knobs=MappingProxyType(dict(self.k)), router_host=self.router_host,
+                     mooncake_host=self.mooncake_host)
+
+    def _spec(self, s: Server) -> ServerSpec:
+        return ServerSpec(
+            name=s.name, role=s.role, strategy=s.strategy, cell=MappingProxyType(s.cell),
+            layout=MappingProxyType(dict(s.layout)), hosts=tuple(s.hosts), moe_runner=s.moe_runner,
+            speculative=s.speculative, dflash_block=s.dflash_block, kv_offload=s.kv_offload,
+            monokernel=s.monokernel, decode_radix=s.decode_radix, settings=self._engine_settings(s))
+
+    def _engine_settings(self, s: Server) -> EngineSettings:
+        """The values behind a server's memory and scheduling flags and env vars, each decided once here."""
+        k, cat = self.knob, self.cat
+        hc = cat["hicache"]
+        hicache_ratio = mamba_host_ratio = None
+        if s.hicache and self.rocm:
+            hicache_ratio = k("hicache_ratio", hc["rocm"]["ratio"])
+            mamba_host_ratio = k("hicache_mamba_host_ratio",
+                                 s.cell.get("hicache_mamba_host_ratio", hc["rocm"]["mamba_host_ratio"]))
+        elif s.hicache:
+            hicache_ratio = k("hicache_ratio")
+            mamba_host_ratio = self.k.get("hicache_mamba_host_ratio")
+        mooncake = hc["mooncake"]
+        return EngineSettings(
+            mem_fraction_static=k("mem_fraction_static", mem_fraction_static_max(self.platform, self.topology)),
+            max_running_requests=s.max_running_requests,
+            cuda_graph_max_bs_decode=s.cuda_graph_max_bs_decode,
+            max_mamba_cache_size=k("kda_state_slots"),
+            mamba_full_memory_ratio=k("mamba_full_memory_ratio"),
+            radix_cache=s.decode_radix if s.role == "decode" else True,
+            hicache_ratio=hicache_ratio,
+            hicache_mamba_host_ratio=mamba_host_ratio,
+            rocm_runtime_reserve_gb=(cat["amd"]["runtime_reserve_gb"]["dcp" if s.layout["dcp"] > 1 else "tp"]
+                                     if self.rocm else None),
+            megamoe_token_cap=s.megamoe_token_cap,
+            mooncake_segment_bytes=(_size_bytes(mooncake["env"][mooncake["segment_env"]])
+                                    if s.kv_offload == "mooncake" else None),
+            prefill_decode_interval=k("prefill_decode_interval"),
+        )
 
     def _monitoring(self, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
         """Where Prometheus, Alertmanager and the blackbox exporter run, and every host of the plan, each
@@ -642,20 +690,13 @@ class _Resolver:
         out.update({k: v for k, v in sorted(self.k.items()) if k not in out})
         return out
 
-    def emit_check(self, section: str, argv: list[str]) -> None:
-        """Every flag k31 emits must be in data/flags.yaml (and so traced to the seed or upstream)."""
-        known = flag_registry()[section]
-        for token in argv:
-            if token.startswith("--") and token.split("=", 1)[0] not in known:
-                raise AssertionError(f"flag {token} is not registered in data/flags.yaml [{section}]")
-
     def engine_check(self, server: str, argv: list[str]) -> None:
         """An engine command against the build's own parser (the machine dump of its CLI).
 
         A release refuses what its parser refuses, in argparse's words. On the branch, the branch-only
         values of flags.yaml pass with a warning; anything else its reference release refuses is a k31 bug.
         """
-        self.emit_check("engine", argv)
+        emit_check("engine", argv)
         branch_values = {flag: spec.get("branch_choices", {}) for flag, spec in flag_registry()["engine"].items()}
         reference = self.build_cfg["reference"]
         version = self.cat["engine_builds"][reference]["version"]
@@ -679,6 +720,15 @@ class _Resolver:
                                      "flag": refusal.flag, "plugin": None})
             self.warn(f"{server}: {setting} ({refusal.flag} {refusal.value}) needs the recipe's kimi-k31-pro "
                       f"branch; SGLang {version} refuses it ({_core(refusal.message)})")
+
+
+def _size_bytes(text: str) -> int:
+    """`16gb` / `512mb` / bytes, binary units as Mooncake reads them (MOONCAKE_GLOBAL_SEGMENT_SIZE)."""
+    text = str(text).strip().lower()
+    for suffix, size in (("tb", 1 << 40), ("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * size)
+    return int(text)
 
 
 def _core(message: str) -> str:

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from k31deploy.catalog import cell_knobs  # noqa: F401 - the tests' name for a cell's knobs
 from k31deploy.errors import K31Error
 from k31deploy.recipe import resolve
-from k31deploy.recipe.catalog import cell_knobs  # noqa: F401 - the tests' name for a cell's knobs
 
 
 def plan(**knobs: Any) -> dict[str, Any]:

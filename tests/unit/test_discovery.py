@@ -129,7 +129,7 @@ def test_a_nats_token_that_would_break_the_config_is_refused(token):
 
 
 def test_every_etcd_flag_is_registered(monkeypatch):
-    from k31deploy.recipe.catalog import flag_registry
+    from k31deploy.catalog import flag_registry
     registry = dict(flag_registry())
     registry["etcd"] = {k: v for k, v in registry["etcd"].items() if k != "--client-cert-auth"}
     monkeypatch.setattr(discovery, "flag_registry", lambda: registry)

@@ -180,7 +180,7 @@ BINARIES = {"prometheus": "prometheus", "alertmanager": "prometheus-alertmanager
 
 @pytest.mark.parametrize("section", sorted(BINARIES))
 def test_every_registered_monitoring_flag_is_one_the_packaged_binary_takes(section):
-    from k31deploy.recipe.catalog import flag_registry
+    from k31deploy.catalog import flag_registry
 
     binary = shutil.which(BINARIES[section])
     if binary is None:
@@ -192,7 +192,7 @@ def test_every_registered_monitoring_flag_is_one_the_packaged_binary_takes(secti
 
 
 def test_an_unregistered_monitoring_flag_is_refused(monkeypatch):
-    from k31deploy.recipe.catalog import flag_registry
+    from k31deploy.catalog import flag_registry
 
     registry = {**flag_registry(), "blackbox_exporter": {"--config.file": {}}}
     monkeypatch.setattr(config, "flag_registry", lambda: registry)

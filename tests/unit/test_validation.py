@@ -1,4 +1,4 @@
-"""The validation layer (k31deploy.recipe.validate): every string and number that reaches a host is checked
+"""The validation layer (k31deploy.validate): every string and number that reaches a host is checked
 against an allow-list for its kind; control characters are refused everywhere; numbers are finite and in
 range; nothing a user can type gives a traceback."""
 
@@ -19,7 +19,7 @@ from k31deploy.cli import main
 from k31deploy.errors import K31Error
 from k31deploy.recipe import Host, from_mapping, knob_specs, parse_sets, resolve
 from k31deploy.recipe.hosts import PLAYBOOK_VARS, role_variables
-from k31deploy.recipe.validate import CONTROL, FORMATS
+from k31deploy.validate import CONTROL, FORMATS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,6 +8,8 @@ starts a new line there, and those run as root. Numbers must be finite and in ra
 
 Every refusal is a K31Error: one sentence that names the setting, shows the value with its control
 characters escaped (so the message stays one line) and says what is valid.
+
+Layer: base (docs/architecture.md); it imports errors only.
 """
 
 from __future__ import annotations

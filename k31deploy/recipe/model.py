@@ -1,0 +1,109 @@
+"""The resolved description of a plan that the resolver hands to the command-line builders (argv.py):
+frozen, typed, and free of rules. The resolver decides every value here; argv.py only spells them as
+flags and env vars, and the engine settings below also go into the plan (`servers[].settings`), where
+the memory planner and the monitoring rules read them instead of parsing argv back.
+
+Layer: recipe model (docs/architecture.md); imports the catalog and recipe.hosts (Host) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from k31deploy.catalog import catalog
+from k31deploy.recipe.hosts import Host
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every server of one plan shares, as resolved."""
+
+    platform: str
+    topology: str                      # unified | pd
+    router: str                        # sglang | dynamo | none
+    dialect: str                       # the SGLang router's command (launch_router | sgl-router)
+    public_tls: bool
+    transfer: str                      # the PD transfer backend (set, unused, with topology=unified)
+    attention_dp_flags: Mapping[str, Any]    # the engine build's spelling of attention DP
+    knobs: Mapping[str, Any]           # every knob as given (inventory, then settings), validated
+    router_host: Host | None
+    mooncake_host: Host | None
+
+    def knob(self, name: str, default: Any = None) -> Any:
+        value = self.knobs.get(name)
+        return default if value is None else value
+
+    @property
+    def platform_info(self) -> dict[str, Any]:
+        return catalog()["platforms"][self.platform]
+
+    @property
+    def family_name(self) -> str:
+        return self.platform_info["family"]
+
+    @property
+    def family(self) -> dict[str, Any]:
+        return catalog()["families"][self.family_name]
+
+    @property
+    def rocm(self) -> bool:
+        return self.family_name == "rocm"
+
+    @property
+    def tpu(self) -> bool:
+        return self.family_name == "tpu"
+
+    @property
+    def nvl72(self) -> bool:
+        return bool(self.platform_info.get("nvl72"))
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The numbers and switches of one server's engine command that size its memory and schedule it, as
+    its ranks' argv and env carry them: None where k31 emits nothing (the engine's own default)."""
+
+    mem_fraction_static: float | None          # --mem-fraction-static
+    max_running_requests: int | None           # --max-running-requests
+    cuda_graph_max_bs_decode: int | None       # --cuda-graph-max-bs-decode
+    max_mamba_cache_size: int | None           # --max-mamba-cache-size (knob kda_state_slots)
+    mamba_full_memory_ratio: float | None      # --mamba-full-memory-ratio
+    radix_cache: bool                          # the radix cache runs (a PD decode: only with its decode flag)
+    hicache_ratio: float | None                # --hicache-ratio
+    hicache_mamba_host_ratio: float | None     # SGLANG_HICACHE_MAMBA_HOST_RATIO
+    rocm_runtime_reserve_gb: float | None      # SGLANG_ROCM_RUNTIME_RESERVE_GB
+    megamoe_token_cap: int | None              # SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK
+    mooncake_segment_bytes: int | None         # MOONCAKE_GLOBAL_SEGMENT_SIZE, in bytes
+    prefill_decode_interval: int | None        # --prefill-decode-interval
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One engine server as resolved: its cell, layout, hosts (node-rank order) and features."""
+
+    name: str
+    role: str                          # unified | prefill | decode
+    strategy: str
+    cell: Mapping[str, Any]            # its catalog cell
+    layout: Mapping[str, int]          # tp dcp pp pcp ep dp nnodes
+    hosts: tuple[Host, ...]
+    moe_runner: str | None
+    speculative: bool                  # DFLASH
+    dflash_block: int | None
+    kv_offload: str                    # none | hicache | mooncake
+    monokernel: bool
+    decode_radix: bool                 # a PD decode's radix cache
+    settings: EngineSettings
+
+    @property
+    def flat_tp(self) -> bool:
+        return all(self.layout[k] == 1 for k in ("dcp", "pp", "pcp", "dp"))
+
+    @property
+    def hicache(self) -> bool:
+        return self.kv_offload in ("hicache", "mooncake")
