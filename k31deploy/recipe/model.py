@@ -16,6 +16,16 @@ from k31deploy.catalog import catalog
 from k31deploy.recipe.hosts import Host
 
 
+def flat_tp(layout: Mapping[str, Any]) -> bool:
+    """Plain tensor parallelism: no decode or prefill context parallelism, pipeline or attention DP."""
+    return all(layout[k] == 1 for k in ("dcp", "pp", "pcp", "dp"))
+
+
+def hicache(kv_offload: str) -> bool:
+    """HiCache runs: on its own, or as the L1/L2 in front of a Mooncake store."""
+    return kv_offload in ("hicache", "mooncake")
+
+
 @dataclass(frozen=True)
 class Setup:
     """What every server of one plan shares, as resolved."""
@@ -102,8 +112,8 @@ class ServerSpec:
 
     @property
     def flat_tp(self) -> bool:
-        return all(self.layout[k] == 1 for k in ("dcp", "pp", "pcp", "dp"))
+        return flat_tp(self.layout)
 
     @property
     def hicache(self) -> bool:
-        return self.kv_offload in ("hicache", "mooncake")
+        return hicache(self.kv_offload)

@@ -37,7 +37,7 @@ from k31deploy.engine import lane
 from k31deploy.errors import K31Error
 from k31deploy.memory import Options, annotate_plan
 from k31deploy.recipe import hosts as hostlib
-from k31deploy.recipe import ports
+from k31deploy.recipe import model, ports
 from k31deploy.recipe.argv import DYNAMO_PARSER_WARNING, EngineArgv, dist_init_port, router_plan
 from k31deploy.recipe.hosts import Host
 from k31deploy.recipe.knobs import normalise
@@ -72,11 +72,11 @@ class Server:
 
     @property
     def flat_tp(self) -> bool:
-        return all(self.layout[k] == 1 for k in ("dcp", "pp", "pcp", "dp"))
+        return model.flat_tp(self.layout)
 
     @property
     def hicache(self) -> bool:
-        return self.kv_offload in ("hicache", "mooncake")
+        return model.hicache(self.kv_offload)
 
 
 def resolve(knobs: dict[str, Any] | None = None, hosts: list[Host] | None = None, *,

@@ -15,13 +15,19 @@ from k31deploy.sandbox import DATA_DIR, cluster, serving
 from k31deploy.sandbox.shapes import resolve_shape
 
 
-def wrapper():
-    path = DATA_DIR / "nested" / "k31-sandbox-runc"
-    loader = importlib.machinery.SourceFileLoader("k31_sandbox_runc", str(path))
-    spec = importlib.util.spec_from_loader("k31_sandbox_runc", loader)
+def nested_script(name):
+    """A Python script of data/sandbox/nested, loaded as a module."""
+    path = DATA_DIR / "nested" / name
+    module_name = name.replace("-", "_")
+    loader = importlib.machinery.SourceFileLoader(module_name, str(path))
+    spec = importlib.util.spec_from_loader(module_name, loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+def wrapper():
+    return nested_script("k31-sandbox-runc")
 
 
 def test_the_runc_wrapper_adds_a_cgroup_namespace_and_lowers_only_limits_past_the_hard_limit():
@@ -104,17 +110,8 @@ def test_the_gb300_container_shape_loads_its_image_from_a_tarball(tmp_path):
         resolve_shape("s", None, path)
 
 
-def stand_in_ctk():
-    path = DATA_DIR / "nested" / "nvidia-ctk"
-    loader = importlib.machinery.SourceFileLoader("k31_nvidia_ctk", str(path))
-    spec = importlib.util.spec_from_loader("k31_nvidia_ctk", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
 def test_the_stand_in_nvidia_ctk_writes_and_lists_cdi_specs_of_the_kinds_k31_asks_for(tmp_path, monkeypatch, capsys):
-    ctk = stand_in_ctk()
+    ctk = nested_script("nvidia-ctk")
     nodes = ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm",
              "/dev/nvidia-caps-imex-channels/channel0"]
     real_glob = ctk.glob.glob
