@@ -4,6 +4,7 @@ CLI and ansible-playbook run against a sandbox with the test's own state directo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -29,6 +30,30 @@ def k31(env, *args, timeout=600):
                           timeout=timeout, cwd=REPO)
     print(f"$ k31 {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+# What `k31 deploy` prints when the converge stamp ends every host play at once, and when the smoke checks pass.
+SHORT = "every host is as its last whole deploy left it"
+SMOKE = "localhost | Run the smoke checks (models, chat, stream, reasoning, tool call) | ok"
+
+
+@contextlib.contextmanager
+def sandbox_up(env, name, *args):
+    """`k31 sandbox up --name NAME ARGS...`: yields the inventory's path; the sandbox is removed afterwards."""
+    proc = k31(env, "sandbox", "up", *args, "--name", name)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        yield Path(proc.stdout.strip().splitlines()[-1])
+    finally:
+        k31(env, "sandbox", "down", "--name", name)
+
+
+def deploy(env, inventory, *args, rc=0):
+    """The real `k31 deploy -i INVENTORY ARGS...`, its exit status checked: (the process, seconds it took)."""
+    began = time.monotonic()
+    proc = k31(env, "deploy", "-i", str(inventory), *args, timeout=900)
+    assert proc.returncode == rc, (proc.stdout + proc.stderr)[-4000:]
+    return proc, time.monotonic() - began
 
 
 def playbook(env, inventory, path, *args, timeout=600):

@@ -13,38 +13,29 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from pathlib import Path
 
 import pytest
 from recaps import changed, recap
-from sandbox_cli import cli_env, k31, node_sh
+from sandbox_cli import SHORT, SMOKE, cli_env, node_sh, sandbox_up
+from sandbox_cli import deploy as sandbox_deploy
 
 pytestmark = pytest.mark.integration
 
 NAME = f"stamp-{os.getpid()}"
-SHORT = "every host is as its last whole deploy left it"
 HOSTS = ("prefill0", "decode0", "router0")
-SMOKE = "localhost | Run the smoke checks (models, chat, stream, reasoning, tool call) | ok"
 ENGINE_GATE = "Wait for rank 0 to answer /health"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     env = cli_env(tmp_path_factory.mktemp("state"))
-    proc = k31(env, "sandbox", "up", "--shape", "mi355x-1p1d", "--name", NAME)
-    try:
-        assert proc.returncode == 0, proc.stderr
-        yield env, Path(proc.stdout.strip().splitlines()[-1])
-    finally:
-        k31(env, "sandbox", "down", "--name", NAME)
+    with sandbox_up(env, NAME, "--shape", "mi355x-1p1d") as inventory:
+        yield env, inventory
 
 
 def deploy(env, inventory, *args):
-    began = time.monotonic()
-    proc = k31(env, "deploy", "-i", str(inventory), *args, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.stdout, time.monotonic() - began
+    proc, seconds = sandbox_deploy(env, inventory, *args)
+    return proc.stdout, seconds
 
 
 def test_a_deploy_that_would_change_nothing_skips_the_host_plays_and_drift_makes_it_whole(cluster):

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from pathlib import Path
 
 import pytest
 from recaps import changed
-from sandbox_cli import cli_env, k31, node_sh
+from sandbox_cli import SHORT, SMOKE, cli_env, node_sh, sandbox_up
+from sandbox_cli import deploy as sandbox_deploy
 
 from k31deploy import imagearchive
 
@@ -30,28 +29,19 @@ pytestmark = pytest.mark.integration
 
 NAME = f"gbctr-{os.getpid()}"
 TRAYS = ("unified0-t0", "unified0-t1")
-SHORT = "every host is as its last whole deploy left it"
-SMOKE = "localhost | Run the smoke checks (models, chat, stream, reasoning, tool call) | ok"
 LOAD = "Load the image | changed"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     env = cli_env(tmp_path_factory.mktemp("state"))
-    proc = k31(env, "sandbox", "up", "--shape", "gb300-nvl72-container", "--name", NAME)
-    try:
-        assert proc.returncode == 0, proc.stderr
-        inventory = Path(proc.stdout.strip().splitlines()[-1])
+    with sandbox_up(env, NAME, "--shape", "gb300-nvl72-container") as inventory:
         yield env, inventory, inventory.parent / "serving-r1.tar"
-    finally:
-        k31(env, "sandbox", "down", "--name", NAME)
 
 
 def deploy(env, inventory, *args, rc=0):
-    began = time.monotonic()
-    proc = k31(env, "deploy", "-i", str(inventory), *args, timeout=900)
-    assert proc.returncode == rc, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout + proc.stderr, time.monotonic() - began
+    proc, seconds = sandbox_deploy(env, inventory, *args, rc=rc)
+    return proc.stdout + proc.stderr, seconds
 
 
 def engine(host: str) -> str:
