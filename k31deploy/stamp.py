@@ -3,7 +3,8 @@
 At the end of a whole, successful deploy (no --tags, --skip-tags or --limit, not --check), every host records
 two digests in /var/lib/k31/converged.json (0600): the run's *inputs* (the plan, every inventory host's k31_*
 variables, k31's own code, the wheelhouse's file list) and the host's *state* (the files k31 manages, the states
-of its units, the loaded firewall table, the package database; roles/k31_stamp/templates/host-state.sh.j2).
+of its units, the loaded firewall table, the container images, the package database;
+roles/k31_stamp/templates/host-state.sh.j2).
 
 The next deploy reads every host's stamp and state in one command per host. When the inputs digest is the same
 and every host's state still matches its stamp, the deploy would change nothing by construction: it validates,
@@ -60,10 +61,6 @@ def listing_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _text(value: Any) -> Any:
-    return str(value)
-
-
 def inputs_digest(plan: Mapping[str, Any], host_vars: Mapping[str, Mapping[str, Any]], root: Path,
                   wheelhouse: Path) -> str:
     """sha256 of everything a deploy renders from: the plan, each host's k31_* variables (vault values
@@ -72,7 +69,7 @@ def inputs_digest(plan: Mapping[str, Any], host_vars: Mapping[str, Mapping[str, 
                         if k.startswith("k31_") and not k.startswith(NOT_INPUTS)}
                  for host, values in sorted(host_vars.items())}
     doc = {"plan": plan, "vars": variables, "code": code_digest(root), "wheelhouse": listing_digest(wheelhouse)}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=_text).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def settled(reads: Mapping[str, Any], inputs: str) -> dict[str, Any]:
