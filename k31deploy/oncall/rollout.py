@@ -184,3 +184,44 @@ def follow_config(plan: dict[str, Any], host: str, **settings: Any) -> dict[str,
         "drains": drains,
         **settings,
     }
+
+
+# -- one server step of the rolling play (roles/k31_redeploy/tasks/server.yml) --------------------------------
+
+def step_mode(step: dict[str, Any], done: list[dict[str, Any]]) -> str:
+    """What this step does, from the steps before it: `rollout` while every earlier server took the change;
+    after a failure (failure cap 0) `skip`, except a prefill the PD rule still owes a restart because a decode
+    of this run restarted (it keeps the old decode's Mooncake mapping): `restart`, as it is."""
+    if all(d["status"] == "ok" for d in done):
+        return "rollout"
+    if step["role"] == "prefill" and any(d["role"] == "decode" and d["restarted"] for d in done):
+        return "restart"
+    return "skip"
+
+
+def step_files(ranks: list[dict[str, Any]], etc_dir: str, stage_dir: str) -> list[dict[str, str]]:
+    """Each rank's env file, launch script, unit and API-key file: the live path, where the prepare play staged
+    the new version (the live path below `stage_dir`), and the `.prev` copy a roll-back restores."""
+    out = []
+    for rank in ranks:
+        unit = rank["unit"]
+        lives = [f"{etc_dir}/{unit}.env", f"{etc_dir}/{unit}.sh", f"/etc/systemd/system/{unit}.service"]
+        lives += [rank["auth_file"]] if rank.get("auth_file") else []
+        out += [{"live": live, "staged": stage_dir + live, "prev": f"{etc_dir}/{live.rsplit('/', 1)[-1]}.prev"}
+                for live in lives]
+    return out
+
+
+def step_status(mode: str, reachable: bool, went: bool, failed: bool, rollback_failed: bool) -> str:
+    """skipped | unreachable | failed | ok | rolled_back: a step that did not go (its server could not be drained
+    or prepared) failed; one that failed its gate rolled back unless the roll-back failed too (a restart for the
+    PD rule has nothing to roll back to)."""
+    if mode == "skip":
+        return "skipped"
+    if not reachable:
+        return "unreachable"
+    if not went:
+        return "failed"
+    if not failed:
+        return "ok"
+    return "rolled_back" if mode == "rollout" and not rollback_failed else "failed"

@@ -1,10 +1,13 @@
 """The redeploy's rollout order (k31deploy.oncall.rollout): targets, canary and batches, the seed's PD
 restart rule, when decodes wait out of the router, and the k31-pd-follow watcher's config."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from k31deploy.errors import K31Error
-from k31deploy.oncall.rollout import follow_config, rollout
+from k31deploy.oncall.rollout import follow_config, rollout, step_files, step_mode, step_status
 from k31deploy.recipe import resolve
 from k31deploy.recipe.hosts import from_mapping
 
@@ -124,3 +127,59 @@ def test_follow_config_without_sglang_router_does_not_drain():
     rank1 = follow_config(plan, "prefill0-t1")
     assert rank1["units"] == ["k31-prefill0-r1"] and rank1["drains"] == [] and rank1["peers"] == []
     assert follow_config(plan, "prefill0-t0")["drains"] == []
+
+
+# -- one server step (roles/k31_redeploy/tasks/server.yml through the k31_redeploy_step_* filters) ------------
+
+def test_a_step_rolls_out_while_every_earlier_server_took_the_change():
+    decode = {"role": "decode"}
+    prefill = {"role": "prefill"}
+    assert step_mode(decode, []) == "rollout"
+    assert step_mode(prefill, [{"role": "decode", "status": "ok", "restarted": True}]) == "rollout"
+
+
+def test_after_a_failure_only_a_prefill_the_pd_rule_owes_restarts_as_it_is():
+    rolled_back = {"role": "decode", "status": "rolled_back", "restarted": True}
+    not_stopped = {"role": "decode", "status": "failed", "restarted": False}
+    assert step_mode({"role": "prefill"}, [rolled_back]) == "restart"
+    assert step_mode({"role": "decode"}, [rolled_back]) == "skip"
+    # a decode that failed before its stop restarted nothing: its prefills keep a valid mapping
+    assert step_mode({"role": "prefill"}, [not_stopped]) == "skip"
+    assert step_mode({"role": "unified"}, [{"role": "unified", "status": "unreachable", "restarted": False}]) == "skip"
+
+
+def test_a_steps_files_are_each_ranks_env_script_unit_and_key_staged_and_kept():
+    files = step_files([{"unit": "k31-d0-r0", "auth_file": "/etc/k31/k31-d0-r0.auth.yaml"},
+                        {"unit": "k31-d0-r1", "auth_file": None}], "/etc/k31", "/var/lib/k31/next")
+    assert [f["live"] for f in files] == [
+        "/etc/k31/k31-d0-r0.env", "/etc/k31/k31-d0-r0.sh", "/etc/systemd/system/k31-d0-r0.service",
+        "/etc/k31/k31-d0-r0.auth.yaml",
+        "/etc/k31/k31-d0-r1.env", "/etc/k31/k31-d0-r1.sh", "/etc/systemd/system/k31-d0-r1.service"]
+    assert files[2] == {"live": "/etc/systemd/system/k31-d0-r0.service",
+                        "staged": "/var/lib/k31/next/etc/systemd/system/k31-d0-r0.service",
+                        "prev": "/etc/k31/k31-d0-r0.service.prev"}
+    assert files[3]["prev"] == "/etc/k31/k31-d0-r0.auth.yaml.prev"
+
+
+@pytest.mark.parametrize(("mode", "reachable", "went", "failed", "rollback_failed", "status"), [
+    ("skip", False, False, False, False, "skipped"),
+    ("rollout", False, False, False, False, "unreachable"),
+    ("rollout", True, False, True, False, "failed"),        # not drained or not prepared: never stopped
+    ("rollout", True, True, False, False, "ok"),
+    ("rollout", True, True, True, False, "rolled_back"),
+    ("rollout", True, True, True, True, "failed"),          # the roll-back failed too
+    ("restart", True, True, True, False, "failed"),         # nothing to roll back to
+    ("restart", True, True, False, False, "ok"),
+])
+def test_a_steps_status(mode, reachable, went, failed, rollback_failed, status):
+    assert step_status(mode, reachable, went, failed, rollback_failed) == status
+
+
+def test_the_status_filter_reads_booleans_set_fact_handed_over_as_text():
+    path = Path(__file__).resolve().parents[2] / "roles/k31_redeploy/filter_plugins/k31_redeploy.py"
+    spec = importlib.util.spec_from_file_location("k31_redeploy_filters", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.k31_redeploy_step_status("rollout", "True", "False", "True", []) == "failed"
+    assert mod.k31_redeploy_step_status("rollout", "True", "True", "False", []) == "ok"
+    assert mod.k31_redeploy_step_status("rollout", True, True, True, ["it failed too"]) == "failed"

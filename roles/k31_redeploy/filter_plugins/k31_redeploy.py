@@ -8,11 +8,12 @@ import json
 from typing import Any
 
 from ansible.errors import AnsibleFilterError
+from ansible.module_utils.parsing.convert_bool import boolean
 
 try:
     from k31deploy.errors import K31Error
     from k31deploy.oncall import gather, recover
-    from k31deploy.oncall.rollout import follow_config, rollout, server_step
+    from k31deploy.oncall.rollout import follow_config, rollout, server_step, step_files, step_mode, step_status
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -91,9 +92,24 @@ def k31_redeploy_recovery(plan: dict[str, Any], answers: dict[str, Any], health_
     return recover.decide(plan, answers, health_timeout=float(health_timeout), skip=list(skip or []))
 
 
+def k31_redeploy_step_mode(step: dict[str, Any], done: list[dict[str, Any]]) -> str:
+    """rollout | restart (the PD rule after a failure) | skip, from the results of the steps before."""
+    return step_mode(step, list(done))
+
+
+def k31_redeploy_step_files(ranks: list[dict[str, Any]], etc_dir: str, stage_dir: str) -> list[dict[str, str]]:
+    return step_files(list(ranks), str(etc_dir), str(stage_dir))
+
+
+def k31_redeploy_step_status(mode: str, reachable: Any, went: Any, failed: Any, rollback_failed: Any) -> str:
+    # set_fact may hand booleans over as their text ("False")
+    return step_status(str(mode), boolean(reachable, strict=False), boolean(went, strict=False),
+                       boolean(failed, strict=False), bool(rollback_failed))
+
+
 class FilterModule:
     def filters(self):
         return {f.__name__: f for f in (
             k31_redeploy_rollout, k31_redeploy_follow_config, k31_redeploy_recover_spec, k31_redeploy_lock_owner,
             k31_redeploy_lock_renew, k31_redeploy_lock_text, k31_redeploy_lock_verdict, k31_redeploy_recover_answers,
-            k31_redeploy_recovery)}
+            k31_redeploy_recovery, k31_redeploy_step_mode, k31_redeploy_step_files, k31_redeploy_step_status)}
