@@ -1,4 +1,5 @@
-"""The order a redeploy restarts servers in, from the resolved plan (pure Python, used by roles/k31_redeploy).
+"""The order a redeploy restarts servers in, from the resolved plan, and what each server step decides (its mode,
+files and status); pure Python, used by roles/k31_redeploy through its filters.
 
 The seed's PD rule: the prefill keeps the old decode's Mooncake mapping, so after a decode restarts every
 prefill paired with it restarts once the decode is healthy again. The SGLang router (and Dynamo) pair any
