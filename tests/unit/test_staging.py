@@ -118,7 +118,7 @@ def stage_job(tmp_path, verify="sha256", after="", source=""):
     src, dest, state = tmp_path / "src", tmp_path / "dest", tmp_path / "state" / "staging-state"
     stamp = tmp_path / "verified" / "dest.sha256"
     argv = ["sh", "-c", SCRIPT.read_text(), "k31-stage", "ssh -o BatchMode=yes", source, after, verify, "5",
-            str(state), str(src), str(dest), str(dest / "SHA256SUMS"), str(stamp)]
+            str(state), f"{src}/", f"{dest}/", str(dest / "SHA256SUMS"), str(stamp)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=30), state, stamp
 
 
@@ -155,3 +155,30 @@ def test_stage_job_says_failed_on_a_bad_copy(tmp_path):
     assert done.returncode == 1
     assert state.read_text().startswith("failed: ") and "does not match" in state.read_text()
     assert not stamp.exists()
+
+
+@needs_rsync
+def test_stage_job_copies_one_file_and_checks_it_in_its_directory(tmp_path):
+    """A file item (k31_image_fanout=tree: the image archive): SRC and DEST as plain paths, the manifest's name
+    relative to DEST's directory."""
+    import hashlib
+    import subprocess
+
+    data = b"an image archive" * 1000
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src/k31-image.tar").write_bytes(data)
+    sums = tmp_path / "image.SHA256SUMS"
+    sums.write_text(f"{hashlib.sha256(data).hexdigest()}  k31-image.tar\n")
+    state, dest = tmp_path / "state", tmp_path / "dest/k31-image.tar"
+
+    def job():
+        argv = ["sh", "-c", SCRIPT.read_text(), "k31-stage", "ssh -o BatchMode=yes", "", "", "sha256", "5",
+                str(state), str(tmp_path / "src/k31-image.tar"), str(dest), str(sums), str(tmp_path / "stamp")]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+    done = job()
+    assert done.returncode == 0, done.stderr
+    assert state.read_text() == "ok\n" and dest.read_bytes() == data
+    sums.write_text(f"{hashlib.sha256(b'another').hexdigest()}  k31-image.tar\n")    # the controller's differs
+    done = job()
+    assert done.returncode == 1 and state.read_text().startswith(f"failed: {dest} does not match {sums}")
