@@ -182,6 +182,10 @@ def test_stage_job_copies_one_file_and_checks_it_in_its_directory(tmp_path):
     sums.write_text(f"{hashlib.sha256(b'another').hexdigest()}  k31-image.tar\n")    # the controller's differs
     done = job()
     assert done.returncode == 1 and state.read_text().startswith(f"failed: {dest} does not match {sums}")
+    dest.unlink()
+    (dest / "in-the-way").mkdir(parents=True)    # rsync would copy the file into it, and the check pass there
+    done = job()
+    assert done.returncode == 1 and state.read_text().startswith(f"failed: {dest} is a directory, where the file")
 
 
 # -- the serving image's archive (k31_image_fanout=tree) ------------------------------------------------------

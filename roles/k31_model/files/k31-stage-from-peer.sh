@@ -6,7 +6,7 @@
 # where it is staged in this run (its state must say ok: its copy verified), and the host the source served
 # before this one (the source's link is then free). Then each SRC is rsynced to DEST as rsync takes them (`DIR/`
 # for a directory's contents, a plain path for one file; --partial: an interrupted copy resumes) and checked:
-# VERIFY=sha256 runs `sha256sum --check MANIFEST` in DEST (a directory) or DEST's directory (a file) and records
+# VERIFY=sha256 runs `sha256sum --check MANIFEST` in DEST (SRC/) or DEST's directory (one file) and records
 # the manifest's hash in STAMP; size compares sizes with the source. STATE_FILE says `ok` only after every check
 # passed, else `failed: why`.
 set -u
@@ -29,6 +29,13 @@ done
 while [ $# -ge 4 ]; do
   src=$1 dest=$2 manifest=$3 stamp=$4
   shift 4
+  # a directory item (SRC/) is checked in DEST, one file in DEST's directory; rsync would put a file into a directory
+  # that stands where it goes, so that is refused
+  case $src in
+    */) where=$dest ;;
+    *) [ ! -d "$dest" ] || fail "$dest is a directory, where the file $src goes; remove it"
+       where=$(dirname "$dest") ;;
+  esac
   if [ -n "$source" ]; then
     from="$source:$src"
     rsync -ai --partial --mkpath -e "$ssh_command" "$from" "$dest" || fail "rsync from $from failed"
@@ -38,7 +45,6 @@ while [ $# -ge 4 ]; do
   fi
   case $verify in
     sha256)
-      if [ -d "$dest" ]; then where=$dest; else where=$(dirname "$dest"); fi
       (cd "$where" && sha256sum --quiet --check "$manifest") || fail "$dest does not match $manifest"
       mkdir -p "$(dirname "$stamp")" && sha256sum < "$manifest" > "$stamp" || fail "cannot write $stamp"
       ;;
