@@ -10,6 +10,15 @@ change nothing. seconds: staging_{naive,tree}_N_s is the staging run's wall time
 and verifying the bytes adds to the checks every run makes; the raw wall times are the *_wall_s and *_rerun_s
 entries). ratios: staging_tree_over_naive_N; rerun_changed: each re-run's changed count (0 is idempotent).
 One sandbox (bench-stage) of max(--sizes) hosts serves every case (--limit); it is removed afterwards.
+
+    .venv/bin/python bench/staging.py --image [--sizes 2 4 8] [--rate 200mbit] [--json]
+
+--image measures the serving image's archive instead (the stand-in image's `podman save`, about 190 MB): the
+controller copies it to every host (k31_image_fanout=controller, "naive") versus to one host, then host to host
+(k31_image_fanout=tree), on nested podman nodes (shape fanout-container, sandbox bench-imgtree). The controller's
+side of the sandbox's network is rate-limited too (its bridge, on this machine), so every copy it sends shares one
+link. Each case is `playbooks/prepare.yml --tags k31_image` (copy, check, load) from hosts without the image or a
+copy, then again; keys image_{naive,tree}_N_s as above.
 """
 
 from __future__ import annotations
@@ -100,15 +109,65 @@ def measure(sizes: list[int], mb: int, rate: str, name: str = "bench-stage") -> 
             "setup": {"mb": mb, "rate": rate, "sizes": sizes}}
 
 
+IMAGE = "sandbox.k31.internal/standin/sglang-serving:r1"    # k31deploy.sandbox.cluster.TARBALL_IMAGE
+IMAGE_COPY = "/var/tmp/k31-image.tar"
+
+
+def load_image(inventory: str, hosts: list[str], fanout: str) -> tuple[float, dict[str, int]]:
+    """One image run: wall seconds and each host's changed count."""
+    extra = {"k31_image_fanout": fanout, "k31_image_tree_poll": 1, "k31_image_check_engine": False}
+    began = time.monotonic()
+    out = run(str(BIN / "ansible-playbook"), "-i", inventory, "playbooks/prepare.yml", "--tags", "k31_image",
+              "--limit", ",".join(["localhost", *hosts]), "-e", json.dumps(extra))
+    seconds = round(time.monotonic() - began, 1)
+    return seconds, {host: int(changed) for host, changed, unreachable, failed in RECAP.findall(out)}
+
+
+def measure_image(sizes: list[int], rate: str, name: str = "bench-imgtree") -> dict:
+    """{seconds, ratios, rerun_changed, setup} for the image archive, naive and tree, to each of `sizes` hosts."""
+    results: dict[str, float] = {}
+    changed: dict[str, int] = {}
+    try:
+        inventory = run(str(BIN / "k31"), "sandbox", "up", "--name", name, "--shape", "fanout-container",
+                        "--nodes", str(max(sizes))).strip().splitlines()[-1]
+        containers = staging_sandbox.nodes(name)
+        hosts = [c.removeprefix(f"k31-{name}-") for c in containers]
+        staging_sandbox.peer_ssh(name)
+        staging_sandbox.shape_links(name, rate)
+        staging_sandbox.shape_controller_link(name, rate)
+        for n in sizes:
+            for fanout, label in (("controller", "naive"), ("tree", "tree")):
+                staging_sandbox.cluster._parallel(lambda ctr: staging_sandbox.node_sh(
+                    ctr, f"podman rmi --force {IMAGE} >/dev/null 2>&1; rm -f {IMAGE_COPY}"), containers)
+                wall, _ = load_image(inventory, hosts[:n], fanout)
+                rerun, recap = load_image(inventory, hosts[:n], fanout)
+                key = f"{label}_{n}"
+                results.update({f"image_{key}_wall_s": wall, f"image_{key}_rerun_s": rerun,
+                                f"image_{key}_s": round(wall - rerun, 1)})
+                changed[key] = sum(recap.values())
+                print(f"bench: image {key}: {wall} s, re-run {rerun} s (changed={changed[key]})",
+                      file=sys.stderr, flush=True)
+    finally:
+        subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, env=env(),
+                       capture_output=True, check=False)
+    ratios = {f"image_tree_over_naive_{n}": round(results[f"image_tree_{n}_s"] / results[f"image_naive_{n}_s"], 2)
+              for n in sizes}
+    return {"seconds": results, "ratios": ratios, "rerun_changed": changed, "setup": {"rate": rate, "sizes": sizes}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--mb", type=int, default=512, help="synthetic model size in MiB")
-    p.add_argument("--rate", default="100mbit", help="tc tbf rate on every node's eth0")
-    p.add_argument("--name", default="bench-stage")
+    p.add_argument("--rate", help="tc tbf rate on every node's eth0 (default 100mbit, --image 200mbit)")
+    p.add_argument("--name", help="sandbox name (default bench-stage, --image bench-imgtree)")
+    p.add_argument("--image", action="store_true", help="the serving image's archive instead of a model")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    report = measure(args.sizes, args.mb, args.rate, args.name)
+    if args.image:
+        report = measure_image(args.sizes, args.rate or "200mbit", args.name or "bench-imgtree")
+    else:
+        report = measure(args.sizes, args.mb, args.rate or "100mbit", args.name or "bench-stage")
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -12,9 +12,10 @@ from typing import Any
 from ansible.errors import AnsibleFilterError
 
 try:
-    from k31deploy import address, envfile, imagearchive, launch, stamp
+    from k31deploy import address, envfile, imagearchive, launch, staging, stamp
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import config as monitoring
+    from k31deploy.paths import state_dir
     from k31deploy.recipe import from_mapping, resolve
     from k31deploy.recipe.hosts import K31_GROUPS
 except ImportError as exc:  # pragma: no cover - only without the package installed
@@ -79,6 +80,23 @@ def k31_image_archive_id(tarball: str, image: str) -> str:
     """The image ID (sha256:...) of `image` in a `docker save` archive on the controller; a load must give it."""
     try:
         return imagearchive.find(tarball, image).id
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_image_archive_sha256(tarball: str) -> str:
+    """The sha256 of the controller's archive (64 hex; k31_image_fanout=tree checks each host's copy against it):
+    hashed once, then remembered per path, size and mtime in the state directory (image-archives.json)."""
+    try:
+        return imagearchive.sha256(tarball, state_dir() / "image-archives.json")
+    except K31Error as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_image_rounds(hosts: list[str], need: list[str], hold: list[str]) -> dict[str, Any]:
+    """{seed, controller, rounds, hosts: {host: {round, source, after}}}: the archive's tree (k31_image_fanout=tree)."""
+    try:
+        return staging.from_controller(list(hosts), list(need), list(hold))
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
 
@@ -239,4 +257,5 @@ class FilterModule:
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
                 "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
                 "k31_image_pinned": k31_image_pinned, "k31_platform_family": k31_platform_family,
-                "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices}
+                "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,
+                "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds}

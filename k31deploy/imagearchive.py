@@ -6,11 +6,17 @@ image's config blob -- whose digest IS the image ID a load gives (`docker|podman
 before any copy, and after a load checks that the plan's name points at exactly that ID: the verification a
 registry pull gets from its manifest digest. Only the tar headers and manifest.json are read (a tarball is
 seekable), so a serving image of tens of GB costs milliseconds.
+
+With k31_image_fanout=tree a host's copy of the archive serves the next hosts once it matches the controller's
+sha256 (a SHA256SUMS line, checked on the host with `sha256sum --check`). The controller hashes the archive once and
+remembers the digest per path, size and mtime (`sha256`), so a later run does not read tens of GB again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import tarfile
 from dataclasses import dataclass
@@ -83,3 +89,42 @@ def find(path: str | Path, image: str) -> ArchivedImage:
     held = ", ".join(t for a in images for t in a.tags) or "only untagged images"
     raise K31Error(f"k31_image_tarball={path} does not hold {image} (it holds {held}); save the image under "
                    f"the plan's name: docker save -o FILE {image}")
+
+
+def sha256(path: str | Path, cache: str | Path | None = None) -> str:
+    """The archive's sha256 (64 hex). With `cache` (a JSON file), a digest recorded for the same real path, size
+    and mtime is reused instead of reading the file again, and a new one is recorded."""
+    path = Path(path)
+    try:
+        st = path.stat()
+        real = str(path.resolve())
+    except OSError as exc:
+        raise K31Error(f"k31_image_tarball={path} cannot be read: {exc.strerror}") from None
+    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    known: dict = {}
+    if cache is not None:
+        try:
+            known = json.loads(Path(cache).read_text())
+        except (OSError, ValueError):
+            known = {}
+        entry = known.get(real) if isinstance(known, dict) else None
+        if isinstance(entry, dict) and {k: entry.get(k) for k in key} == key and HEX.match(str(entry.get("sha256"))):
+            return entry["sha256"]
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    except OSError as exc:
+        raise K31Error(f"k31_image_tarball={path} cannot be read: {exc.strerror}") from None
+    hexdigest = digest.hexdigest()
+    if cache is not None:
+        known = known if isinstance(known, dict) else {}
+        known[real] = {**key, "sha256": hexdigest}
+        cache = Path(cache)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+        tmp.replace(cache)
+    return hexdigest
+

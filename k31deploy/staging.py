@@ -1,10 +1,12 @@
-"""Tree fan-out for staging the weights (k31_model_fanout=tree): which host copies from which, round by round.
+"""Tree fan-out for staging the weights (k31_model_fanout=tree) and the serving image's archive
+(k31_image_fanout=tree): which host copies from which, round by round.
 
 Every host that holds a verified copy is a source. In round r each source hands the model to one host that
 lacks it, so the number of holders doubles each round: N hosts take about log2(N + 1) rounds instead of N
 copies out of one seed host's link. The schedule is deterministic: sources in a fixed order (the seed first,
 then hosts that already held a verified copy, then hosts in the order they got theirs), targets in the
-order the hosts are given (the play's inventory order).
+order the hosts are given (the play's inventory order). `from_controller` schedules one file that starts on the
+controller: it goes to one host only, which then seeds the tree.
 """
 
 from __future__ import annotations
@@ -55,3 +57,27 @@ def rounds(hosts: Iterable[str], seed: str, have: Iterable[str] = ()) -> dict[st
         n = max(n, r)
     return {"rounds": n, "hosts": plan}
 
+
+
+def from_controller(hosts: Iterable[str], need: Iterable[str], hold: Iterable[str]) -> dict[str, Any]:
+    """{seed, controller, rounds, hosts}: the tree for one file the controller holds (the image archive).
+
+    `need` are the hosts that need the file, `hold` the hosts whose copy already matches the controller's (they
+    are sources from the start and copy nothing). The seed is the first host holding a copy; only where none does
+    is it the first host needing one, and then (controller: true) it gets the file from the controller before the
+    rounds start -- the controller's link carries one copy whatever the host count. `rounds` and `hosts` are
+    `rounds(...)`'s, the seed (a holder by then) not among them: a host in `need` and `hold` copies nothing.
+    """
+    hosts = list(dict.fromkeys(hosts))
+    need, hold = set(need), set(hold)
+    unknown = sorted((need | hold) - set(hosts))
+    if unknown:
+        raise K31Error(f"hosts {', '.join(unknown)} are said to need or hold the file but are not staging hosts")
+    holders = [h for h in hosts if h in hold]
+    receivers = [h for h in hosts if h in need and h not in hold]
+    if not receivers:
+        return {"seed": "", "controller": False, "rounds": 0, "hosts": {}}
+    seed = holders[0] if holders else receivers[0]
+    have = holders or [seed]
+    plan = rounds([h for h in hosts if h in have or h in receivers], seed, have)
+    return {"seed": seed, "controller": not holders, **plan}

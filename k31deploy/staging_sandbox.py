@@ -59,6 +59,22 @@ def shape_links(name: str, rate: str | None) -> None:
     cluster._parallel(lambda ctr: node_sh(ctr, command, privileged=True), nodes(name))
 
 
+def shape_controller_link(name: str, rate: str | None) -> None:
+    """Egress shaping of the controller's side of the sandbox's network (tc tbf on its bridge, on this machine), or
+    none with rate None: what the controller sends to all the nodes together (k31_image_fanout=controller) then
+    shares one rate-limited link, as a real controller's uplink does. Traffic between nodes is switched between
+    the bridge's ports and is shaped on the nodes (shape_links). Removed with the sandbox's network."""
+    bridge = podman.run("network", "inspect", cluster.network_name(name), "--format",
+                        "{{.NetworkInterface}}").stdout.strip()
+    if not bridge:
+        raise K31Error(f"sandbox {name} has no bridge interface to shape")
+    argv = (["tc", "qdisc", "replace", "dev", bridge, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+            if rate else ["tc", "qdisc", "del", "dev", bridge, "root"])
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0 and rate:
+        raise podman.failure("tc", proc)
+
+
 def make_model(container: str, directory: str, total_mb: int, files: int = 4) -> None:
     """A synthetic model on one node: `files` random shards totalling total_mb MiB, a config.json and a
     SHA256SUMS manifest over them."""

@@ -55,3 +55,37 @@ def test_what_is_no_docker_archive_is_refused_in_one_sentence(tmp_path, content)
     with pytest.raises(K31Error, match=r"^k31_image_tarball=.*k31.tar (is not a `docker save` / `podman save` "
                                        r"archive|holds no image)"):
         imagearchive.read(path)
+
+
+def test_the_archives_sha256_is_hashed_once_per_path_size_and_mtime(tmp_path):
+    """k31_image_fanout=tree checks each host's copy against this digest (a SHA256SUMS line, sha256sum --check)."""
+    import hashlib
+    import json
+    import os
+
+    path, cache = tmp_path / "k31.tar", tmp_path / "state/image-archives.json"
+    path.write_bytes(b"layer" * 300_000)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert imagearchive.sha256(path) == digest    # no cache: read every time
+    assert imagearchive.sha256(path, cache) == digest
+    assert json.loads(cache.read_text())[str(path.resolve())]["sha256"] == digest
+    # the same path, size and mtime: the recorded digest, without reading the file
+    stat = path.stat()
+    entry = json.loads(cache.read_text())
+    entry[str(path.resolve())]["sha256"] = HEX_A
+    cache.write_text(json.dumps(entry))
+    assert imagearchive.sha256(path, cache) == HEX_A
+    # a new archive under the same path (another mtime): hashed again and recorded
+    path.write_bytes(b"other" * 300_000)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    again = imagearchive.sha256(path, cache)
+    assert again == hashlib.sha256(b"other" * 300_000).hexdigest()
+    assert json.loads(cache.read_text())[str(path.resolve())]["sha256"] == again
+    # a cache that is no JSON is ignored and rewritten
+    cache.write_text("{not json")
+    assert imagearchive.sha256(path, cache) == again and json.loads(cache.read_text())
+
+
+def test_an_unreadable_archive_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(K31Error, match=r"^k31_image_tarball=.*missing.tar cannot be read: No such file"):
+        imagearchive.sha256(tmp_path / "missing.tar", tmp_path / "cache.json")

@@ -110,6 +110,14 @@ def test_the_gb300_container_shape_loads_its_image_from_a_tarball(tmp_path):
         resolve_shape("s", None, path)
 
 
+def test_the_fanout_container_shape_repeats_nested_tarball_nodes():
+    shape = resolve_shape("fanout-container", 3)
+    assert shape.nested and shape.tarball and shape.registry is None
+    assert shape.role_vars["k31_image_source"] == "tarball"
+    assert [h.name for h in shape.hosts] == ["unified0", "unified1", "unified2"]
+    assert len(resolve_shape("fanout-container", None).hosts) == 4
+
+
 def test_the_stand_in_nvidia_ctk_writes_and_lists_cdi_specs_of_the_kinds_k31_asks_for(tmp_path, monkeypatch, capsys):
     ctk = nested_script("nvidia-ctk")
     nodes = ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm",

@@ -13,7 +13,7 @@ from ansible.errors import AnsibleFilterError
 
 from k31deploy.errors import K31Error
 from k31deploy.recipe import from_mapping, resolve
-from k31deploy.staging import rounds
+from k31deploy.staging import from_controller, rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("k31_staging_filters",
@@ -118,7 +118,7 @@ def stage_job(tmp_path, verify="sha256", after="", source=""):
     src, dest, state = tmp_path / "src", tmp_path / "dest", tmp_path / "state" / "staging-state"
     stamp = tmp_path / "verified" / "dest.sha256"
     argv = ["sh", "-c", SCRIPT.read_text(), "k31-stage", "ssh -o BatchMode=yes", source, after, verify, "5",
-            str(state), str(src), str(dest), str(dest / "SHA256SUMS"), str(stamp)]
+            str(state), f"{src}/", f"{dest}/", str(dest / "SHA256SUMS"), str(stamp)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=30), state, stamp
 
 
@@ -155,3 +155,105 @@ def test_stage_job_says_failed_on_a_bad_copy(tmp_path):
     assert done.returncode == 1
     assert state.read_text().startswith("failed: ") and "does not match" in state.read_text()
     assert not stamp.exists()
+
+
+@needs_rsync
+def test_stage_job_copies_one_file_and_checks_it_in_its_directory(tmp_path):
+    """A file item (k31_image_fanout=tree: the image archive): SRC and DEST as plain paths, the manifest's name
+    relative to DEST's directory."""
+    import hashlib
+    import subprocess
+
+    data = b"an image archive" * 1000
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src/k31-image.tar").write_bytes(data)
+    sums = tmp_path / "image.SHA256SUMS"
+    sums.write_text(f"{hashlib.sha256(data).hexdigest()}  k31-image.tar\n")
+    state, dest = tmp_path / "state", tmp_path / "dest/k31-image.tar"
+
+    def job():
+        argv = ["sh", "-c", SCRIPT.read_text(), "k31-stage", "ssh -o BatchMode=yes", "", "", "sha256", "5",
+                str(state), str(tmp_path / "src/k31-image.tar"), str(dest), str(sums), str(tmp_path / "stamp")]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+    done = job()
+    assert done.returncode == 0, done.stderr
+    assert state.read_text() == "ok\n" and dest.read_bytes() == data
+    sums.write_text(f"{hashlib.sha256(b'another').hexdigest()}  k31-image.tar\n")    # the controller's differs
+    done = job()
+    assert done.returncode == 1 and state.read_text().startswith(f"failed: {dest} does not match {sums}")
+    dest.unlink()
+    (dest / "in-the-way").mkdir(parents=True)    # rsync would copy the file into it, and the check pass there
+    done = job()
+    assert done.returncode == 1 and state.read_text().startswith(f"failed: {dest} is a directory, where the file")
+
+
+# -- the serving image's archive (k31_image_fanout=tree) ------------------------------------------------------
+
+K31 = importlib.util.spec_from_file_location("k31_filters", ROOT / "filter_plugins/k31.py")
+k31_filters = importlib.util.module_from_spec(K31)
+K31.loader.exec_module(k31_filters)
+K31_FILTERS = k31_filters.FilterModule().filters()
+
+
+def test_the_archive_goes_from_the_controller_to_one_host_then_host_to_host():
+    got = from_controller(hosts(8), hosts(8), [])
+    assert got["seed"] == "n0" and got["controller"] is True
+    # the seed holds the archive before the rounds: it is a source from round 1, like a host that held a copy
+    assert got["hosts"] == rounds(hosts(8), "n0", ["n0"])["hosts"]
+    assert "n0" not in got["hosts"] and got["rounds"] == 3    # 1 controller copy + 3 rounds for 8 hosts
+    sources = {step["source"] for step in got["hosts"].values()}
+    assert sources == {"n0", "n1", "n2", "n3"}    # every host that got it in an earlier round serves
+
+
+def test_a_host_holding_a_verified_archive_seeds_the_tree_and_the_controller_copies_nothing():
+    got = from_controller(hosts(4), need=["n0", "n1", "n3"], hold=["n2"])
+    assert got["seed"] == "n2" and got["controller"] is False
+    assert got["hosts"] == {"n0": {"round": 1, "source": "n2", "after": []},
+                            "n1": {"round": 2, "source": "n2", "after": ["n0"]},
+                            "n3": {"round": 2, "source": "n0", "after": ["n0"]}}
+    # a host that needs the image and holds a verified archive loads it and copies nothing; one whose image is
+    # right but holds no verified archive takes no part
+    got = from_controller(hosts(4), need=["n1", "n2"], hold=["n1", "n3"])
+    assert got["seed"] == "n1" and got["hosts"] == {"n2": {"round": 1, "source": "n1", "after": []}}
+    assert from_controller(hosts(4), need=["n1"], hold=["n1"]) == {"seed": "", "controller": False, "rounds": 0,
+                                                                   "hosts": {}}
+    assert from_controller(hosts(4), need=[], hold=[])["hosts"] == {}
+
+
+def test_the_archive_schedule_refuses_strangers_and_its_filter_says_so():
+    with pytest.raises(K31Error, match="hosts x are said to need or hold the file but are not staging hosts"):
+        from_controller(hosts(2), need=["x"], hold=[])
+    with pytest.raises(AnsibleFilterError, match=r"^error: hosts y are said"):
+        K31_FILTERS["k31_image_rounds"](hosts(2), [], ["y"])
+    assert K31_FILTERS["k31_image_rounds"](hosts(3), hosts(3), []) == from_controller(hosts(3), hosts(3), [])
+    for name in ("k31_image_rounds", "k31_image_archive_sha256"):
+        assert (ROOT / "filter_plugins" / f"{name}.yml").is_file(), name
+
+
+def test_the_archive_sha256_filter_remembers_the_digest_in_the_state_dir(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("K31_STATE_DIR", str(tmp_path / "state"))
+    archive = tmp_path / "k31.tar"
+    archive.write_bytes(b"image" * 1000)
+    assert K31_FILTERS["k31_image_archive_sha256"](str(archive)) == hashlib.sha256(archive.read_bytes()).hexdigest()
+    assert (tmp_path / "state/image-archives.json").is_file()
+    with pytest.raises(AnsibleFilterError, match=r"^error: k31_image_tarball=.*nope.tar cannot be read"):
+        K31_FILTERS["k31_image_archive_sha256"](str(tmp_path / "nope.tar"))
+
+
+def test_image_fanout_knob_is_validated_with_its_choices():
+    pd = {"platform": "mi355x", "agents": 92}
+
+    def pd_hosts(**extra):
+        return [from_mapping("p0", ["k31_prefill"], {"ansible_host": "192.0.2.1"}),
+                from_mapping("d0", ["k31_decode"], {"ansible_host": "192.0.2.2", **extra}),
+                from_mapping("r0", ["k31_router"], {"ansible_host": "192.0.2.9"})]
+
+    with pytest.raises(K31Error, match=r"^k31_image_fanout=seed \(host d0\) is not valid; valid choices: controller, "
+                                       r"tree \(roles/k31_image/meta/argument_specs.yml\)$"):
+        resolve(pd, pd_hosts(k31_image_fanout="seed"))
+    for ok in ("controller", "tree"):
+        assert resolve(pd, pd_hosts(k31_image_fanout=ok, k31_image_tree_poll=2,
+                                    k31_image_rsync_ssh="ssh -o BatchMode=yes"))
