@@ -16,6 +16,7 @@ from k31deploy.errors import K31Error
 from k31deploy.monitoring.config import api_url
 from k31deploy.oncall import recover
 from k31deploy.oncall.rollout import http, router_url, worker_url
+from k31deploy.runner import driver
 
 PROBE = Path(__file__).with_name("probe.py")
 TASK_TIMEOUT_S = 20
@@ -72,43 +73,31 @@ def probe_source(spec: dict[str, Any]) -> str:
 
 def ansible_probe(inventory: list[str], source: str, hosts: list[str], become: bool) -> dict[str, dict[str, Any]]:
     """Run the probe on `hosts` in one ad-hoc run; {host: parsed JSON | {"unreachable"|"failed": message}}."""
-    import ansible_runner
-
-    from k31deploy.runner.driver import repo_root, runner_env
-
-    root = repo_root()
     with tempfile.TemporaryDirectory(prefix="k31-probe-") as tmp:
         script = Path(tmp) / "k31-probe.py"
         script.write_text(source)
-        (Path(tmp) / "run").mkdir()
-        runner = ansible_runner.run(
-            private_data_dir=str(Path(tmp) / "run"), project_dir=str(root), inventory=inventory,
-            host_pattern=",".join(hosts), module="ansible.builtin.script",
-            module_args=f"{script} {{{{ inventory_hostname }}}}", envvars=runner_env(root),
-            # A host that froze behind an open SSH control connection hangs instead of failing the connect.
-            cmdline=f"--task-timeout {TASK_TIMEOUT_S}" + (" --become" if become else ""), quiet=True,
-            suppress_env_files=True,
-        )
-        results: dict[str, dict[str, Any]] = {}
-        for event in runner.events:
-            data = event.get("event_data") or {}
-            host, res = data.get("host"), data.get("res") or {}
-            if not host:
-                continue
-            if event["event"] == "runner_on_ok":
-                try:
-                    results[host] = json.loads(res.get("stdout") or "")
-                except ValueError:
-                    results[host] = {"failed": f"the probe printed no JSON: {(res.get('stdout') or '')[:200]}"}
-            elif event["event"] == "runner_on_unreachable":
-                results[host] = {"unreachable": str(res.get("msg", "unreachable")).strip()}
-            elif event["event"] == "runner_on_failed":
-                message = " ".join(str(res.get(k) or "").strip() for k in ("msg", "stderr")).strip()
-                # The task timeout: the host hung behind an open SSH connection.
-                hung = "Timed out after" in message or "expected time frame" in message
-                results[host] = {"unreachable" if hung else "failed": message}
+        events, rc = driver.adhoc(inventory, hosts, "ansible.builtin.script", f"{script} {{{{ inventory_hostname }}}}",
+                                  become=become, task_timeout=TASK_TIMEOUT_S)
+    results: dict[str, dict[str, Any]] = {}
+    for event in events:
+        data = event.get("event_data") or {}
+        host, res = data.get("host"), data.get("res") or {}
+        if not host:
+            continue
+        if event["event"] == "runner_on_ok":
+            try:
+                results[host] = json.loads(res.get("stdout") or "")
+            except ValueError:
+                results[host] = {"failed": f"the probe printed no JSON: {(res.get('stdout') or '')[:200]}"}
+        elif event["event"] == "runner_on_unreachable":
+            results[host] = {"unreachable": str(res.get("msg", "unreachable")).strip()}
+        elif event["event"] == "runner_on_failed":
+            message = " ".join(str(res.get(k) or "").strip() for k in ("msg", "stderr")).strip()
+            # The task timeout: the host hung behind an open SSH connection.
+            hung = "Timed out after" in message or "expected time frame" in message
+            results[host] = {"unreachable" if hung else "failed": message}
     for host in hosts:
-        results.setdefault(host, {"failed": f"ansible returned nothing for {host} (rc {runner.rc})"})
+        results.setdefault(host, {"failed": f"ansible returned nothing for {host} (rc {rc})"})
     return results
 
 

@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -275,3 +276,20 @@ def run(req: RunRequest, view: View, cancel: threading.Event | None = None) -> R
     records.write_summary(run_dir, summary)
     view.finish(summary, run_dir)
     return RunOutcome(exit_code(status, runner.rc), summary, run_dir)
+
+
+def adhoc(inventory: list[str], hosts: list[str], module: str, module_args: str, *, become: bool,
+          task_timeout: int) -> tuple[list[dict[str, Any]], int | None]:
+    """One module on `hosts` in one ad-hoc run (k31 status / k31 logs ship their probe this way): the runner's
+    events and its rc. The same environment and repo as playbook runs; nothing is written under the run records."""
+    root = repo_root()
+    with tempfile.TemporaryDirectory(prefix="k31-adhoc-") as tmp:
+        runner = ansible_runner.run(
+            private_data_dir=tmp, project_dir=str(root), inventory=inventory, host_pattern=",".join(hosts),
+            module=module, module_args=module_args, envvars=runner_env(root),
+            # A host that froze behind an open SSH control connection hangs instead of failing the connect.
+            cmdline=f"--task-timeout {task_timeout}" + (" --become" if become else ""), quiet=True,
+            suppress_env_files=True,
+        )
+        return list(runner.events), runner.rc
+
