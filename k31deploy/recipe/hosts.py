@@ -38,6 +38,9 @@ PLAYBOOK_VARS = {
     "k31_teardown_purge": "playbooks/teardown.yml",
 }
 ROLES_DIR = Path(__file__).resolve().parents[2] / "roles"
+# Roles only other roles include (roles/k31_unit: a unit's lifecycle): those roles set their variables, which
+# an inventory could not change, so one naming them is refused like any other unknown k31_* variable.
+INTERNAL_ROLES = ("k31_unit",)
 # Role variables holding PEM text (several lines, so not the one-line strings the others must be): what each
 # holds. The site's certificate may be a chain, its key any PEM private key.
 PEM_ROLE_VARS = {"k31_pki_ca_cert": "certificate", "k31_pki_ca_key": "private key",
@@ -68,6 +71,8 @@ def role_variables() -> dict[str, dict[str, Any]]:
                        f"checkout with pip install -e")
     found: dict[str, dict[str, Any]] = {}
     for path in specs:
+        if path.parts[-3] in INTERNAL_ROLES:
+            continue
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         for entry in (data.get("argument_specs") or {}).values():
             for name, spec in (entry.get("options") or {}).items():

@@ -24,6 +24,9 @@ INERT_KEYS = {"name", "when", "no_log", "tags", "changed_when", "failed_when", "
               "ignore_unreachable", "timeout", "async", "poll", "notify", "listen"}
 BLOCK_KEYS = ("block", "rescue", "always")
 SECRET_WORDS = re.compile(r"(api_key|_token|passw(or)?d|credentials?|_secret)$", re.IGNORECASE)
+# The internal role that writes a unit's files for the role including it: each file under its own `secret`
+# (no_log), which unit_file_leaks checks at every include instead of the include as a whole.
+UNIT_ROLE = "k31_unit"
 
 
 class _Loader(yaml.SafeLoader):
@@ -64,13 +67,32 @@ def tasks(node: Any) -> Iterator[dict[str, Any]]:
             yield item
 
 
+def unit_include(task: dict[str, Any]) -> bool:
+    module = task.get("ansible.builtin.include_role") or task.get("include_role")
+    return isinstance(module, dict) and module.get("name") == UNIT_ROLE and "tasks_from" not in module
+
+
+def unit_files(node: Any) -> Iterator[dict[str, Any]]:
+    """The file entries (dest, mode, template / src / content) anywhere in a k31_unit include's vars or loop."""
+    if isinstance(node, dict):
+        if "dest" in node and "mode" in node:
+            yield node
+        else:
+            for value in node.values():
+                yield from unit_files(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from unit_files(value)
+
+
 def secret_names() -> set[str]:
     """Declared secrets, then whatever takes its value from one (defaults, set_fact, task vars), to a fixpoint."""
     names = {name for name, spec in argument_specs().items() if spec.get("no_log")}
     sources: list[dict[str, Any]] = [load(p) or {} for p in REPO.glob("roles/*/defaults/main.yml")]
     for path in TASK_FILES:
         for task in tasks(load(path)):
-            sources.append(task.get("vars") or {})
+            if not unit_include(task):    # what a k31_unit include hands over is checked file by file
+                sources.append(task.get("vars") or {})
             for key in ("ansible.builtin.set_fact", "set_fact"):
                 if isinstance(task.get(key), dict):
                     sources.append(task[key])
@@ -131,9 +153,30 @@ def environment_leaks() -> list[str]:
             if (used := refers(yaml.safe_dump(task.get("environment") or {}), SECRETS))]
 
 
+def unit_file_leaks() -> list[str]:
+    """A file handed to k31_unit whose content, source or template refers to a secret must be `secret: true`, or
+    `secret` must follow that secret. Its dest is a place (a condition there on a key only says whether the
+    file exists, as for the router's launcher)."""
+    out = []
+    for where, task, path in all_tasks():
+        if not unit_include(task):
+            continue
+        for entry in unit_files([task.get("vars"), task.get("loop")]):
+            text = yaml.safe_dump({k: v for k, v in entry.items() if k not in ("secret", "dest")})
+            if "template" in entry:
+                text += template_outputs({"ansible.builtin.template": {"src": entry["template"]}}, path)
+            secret = entry.get("secret", False)
+            if (used := refers(text, SECRETS)) and secret is not True and not refers(str(secret), SECRETS):
+                out.append(f"{where}: {entry['dest']} holds {sorted(used)}; its secret must be true or follow "
+                           f"that, not {secret!r}")
+    return out
+
+
 def unlogged() -> list[str]:
     out = []
     for where, task, path in all_tasks():
+        if unit_include(task):
+            continue    # unit_file_leaks
         used = handed_over(task, path)
         if not used:
             continue
@@ -172,6 +215,16 @@ def test_no_secret_goes_through_environment():
 
 def test_every_task_handing_over_a_secret_is_no_log():
     assert unlogged() == []
+
+
+def test_every_file_handed_to_k31_unit_that_holds_a_secret_is_secret():
+    assert unit_file_leaks() == []
+
+
+def test_k31_unit_writes_each_file_under_its_own_secret():
+    writers = [task for _, task, path in all_tasks() if path.parts[-3] == UNIT_ROLE
+               and "_k31_unit_file" in str(task.get("loop_control"))]
+    assert len(writers) == 2 and all("_k31_unit_file.secret" in str(task.get("no_log")) for task in writers)
 
 
 def test_the_checker_catches_what_it_is_for(tmp_path):

@@ -252,6 +252,9 @@ def test_a_typo_of_a_role_variable_is_refused_like_a_typo_of_a_knob():
             PD, pd_hosts(d0={"k31_enigne_runtime": "standin"}))
     refused(r"unknown inventory variable 'k31_status_anything' on host d0; recipe knobs are k31_<knob>",
             PD, pd_hosts(d0={"k31_status_anything": 1}))
+    # an internal role's variables are set by the roles that include it, never by an inventory
+    refused(r"unknown inventory variable 'k31_unit_name' on host d0; recipe knobs are k31_<knob>",
+            PD, pd_hosts(d0={"k31_unit_name": "k31-x"}))
 
 
 def test_role_variable_values_are_checked_against_their_choices():
