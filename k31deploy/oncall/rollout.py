@@ -195,9 +195,14 @@ def step_mode(step: dict[str, Any], done: list[dict[str, Any]]) -> str:
     of this run restarted (it keeps the old decode's Mooncake mapping): `restart`, as it is."""
     if all(d["status"] == "ok" for d in done):
         return "rollout"
-    if step["role"] == "prefill" and any(d["role"] == "decode" and d["restarted"] for d in done):
+    if step["role"] == "prefill" and any(d["role"] == "decode" and _yes(d["restarted"]) for d in done):
         return "restart"
     return "skip"
+
+
+def _yes(value: Any) -> bool:
+    """A step result's flag, which Ansible may hand over as its text ("False")."""
+    return value.strip().lower() in ("true", "yes", "1") if isinstance(value, str) else bool(value)
 
 
 def step_files(ranks: list[dict[str, Any]], etc_dir: str, stage_dir: str) -> list[dict[str, str]]:

@@ -146,6 +146,9 @@ def test_after_a_failure_only_a_prefill_the_pd_rule_owes_restarts_as_it_is():
     # a decode that failed before its stop restarted nothing: its prefills keep a valid mapping
     assert step_mode({"role": "prefill"}, [not_stopped]) == "skip"
     assert step_mode({"role": "unified"}, [{"role": "unified", "status": "unreachable", "restarted": False}]) == "skip"
+    # a flag Ansible handed over as text
+    assert step_mode({"role": "prefill"}, [{**not_stopped, "restarted": "False"}]) == "skip"
+    assert step_mode({"role": "prefill"}, [{**rolled_back, "restarted": "True"}]) == "restart"
 
 
 def test_a_steps_files_are_each_ranks_env_script_unit_and_key_staged_and_kept():
