@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,14 +62,41 @@ def stage_vars(fanout: str, seed: str) -> str:
                        "k31_model_fanout": fanout})
 
 
+def prepare(inventory: str, hosts: list[str], tag: str, extra: str) -> tuple[float, dict[str, int]]:
+    """One run of playbooks/prepare.yml's `tag` on `hosts`: wall seconds and each host's changed count."""
+    began = time.monotonic()
+    out = run(str(BIN / "ansible-playbook"), "-i", inventory, "playbooks/prepare.yml", "--tags", tag,
+              "--limit", ",".join(["localhost", *hosts]), "-e", extra)
+    seconds = round(time.monotonic() - began, 1)
+    return seconds, {host: int(changed) for host, changed, unreachable, failed in RECAP.findall(out)}
+
+
 def stage(inventory: str, hosts: list[str], fanout: str) -> tuple[float, dict[str, int]]:
     """One staging run: wall seconds and each host's changed count."""
-    began = time.monotonic()
-    out = run(str(BIN / "ansible-playbook"), "-i", inventory, "playbooks/prepare.yml", "--tags", "k31_model",
-              "--limit", ",".join(["localhost", *hosts]), "-e", stage_vars(fanout, hosts[0]))
-    seconds = round(time.monotonic() - began, 1)
-    recap = {host: int(changed) for host, changed, unreachable, failed in RECAP.findall(out)}
-    return seconds, recap
+    return prepare(inventory, hosts, "k31_model", stage_vars(fanout, hosts[0]))
+
+
+def naive_vs_tree(what: str, sizes: list[int], naive: str, reset: Callable[[], None],
+                  once: Callable[[list[str], str], tuple[float, dict[str, int]]],
+                  hosts: list[str]) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
+    """For each size, the `naive` fanout then tree, each from scratch (`reset`) and then re-run: seconds (the run
+    less its re-run, the no-op cost), each re-run's changed count, and tree over naive per size."""
+    results: dict[str, float] = {}
+    changed: dict[str, int] = {}
+    for n in sizes:
+        for fanout, label in ((naive, "naive"), ("tree", "tree")):
+            reset()
+            wall, _ = once(hosts[:n], fanout)
+            rerun, recap = once(hosts[:n], fanout)
+            key = f"{label}_{n}"
+            results.update({f"{what}_{key}_wall_s": wall, f"{what}_{key}_rerun_s": rerun,
+                            f"{what}_{key}_s": round(wall - rerun, 1)})
+            changed[key] = sum(recap.values())
+            print(f"bench: {what} {key}: {wall} s, re-run {rerun} s (changed={changed[key]})",
+                  file=sys.stderr, flush=True)
+    ratios = {f"{what}_tree_over_naive_{n}": round(results[f"{what}_tree_{n}_s"] / results[f"{what}_naive_{n}_s"], 2)
+              for n in sizes}
+    return results, changed, ratios
 
 
 def reset(containers: list[str]) -> None:
@@ -79,8 +107,6 @@ def reset(containers: list[str]) -> None:
 
 def measure(sizes: list[int], mb: int, rate: str, name: str = "bench-stage") -> dict:
     """{seconds, ratios, rerun_changed, setup} for naive and tree staging to each of `sizes` hosts."""
-    results: dict[str, float] = {}
-    changed: dict[str, int] = {}
     try:
         inventory = run(str(BIN / "k31"), "sandbox", "up", "--name", name, "--nodes",
                         str(max(sizes))).strip().splitlines()[-1]
@@ -89,22 +115,12 @@ def measure(sizes: list[int], mb: int, rate: str, name: str = "bench-stage") -> 
         staging_sandbox.peer_ssh(name)
         staging_sandbox.make_model(containers[0], SEED_DIR, mb)
         staging_sandbox.shape_links(name, rate)
-        for n in sizes:
-            for fanout, label in (("seed", "naive"), ("tree", "tree")):
-                reset(containers)
-                wall, _ = stage(inventory, hosts[:n], fanout)
-                rerun, recap = stage(inventory, hosts[:n], fanout)
-                key = f"{label}_{n}"
-                results.update({f"staging_{key}_wall_s": wall, f"staging_{key}_rerun_s": rerun,
-                                f"staging_{key}_s": round(wall - rerun, 1)})
-                changed[key] = sum(recap.values())
-                print(f"bench: staging {key}: {wall} s, re-run {rerun} s (changed={changed[key]})",
-                      file=sys.stderr, flush=True)
+        results, changed, ratios = naive_vs_tree(
+            "staging", sizes, "seed", lambda: reset(containers),
+            lambda some, fanout: stage(inventory, some, fanout), hosts)
     finally:
         subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, env=env(),
                        capture_output=True, check=False)
-    ratios = {f"staging_tree_over_naive_{n}": round(results[f"staging_tree_{n}_s"] / results[f"staging_naive_{n}_s"], 2)
-              for n in sizes}
     return {"seconds": results, "ratios": ratios, "rerun_changed": changed,
             "setup": {"mb": mb, "rate": rate, "sizes": sizes}}
 
@@ -116,17 +132,11 @@ IMAGE_COPY = "/var/tmp/k31-image.tar"
 def load_image(inventory: str, hosts: list[str], fanout: str) -> tuple[float, dict[str, int]]:
     """One image run: wall seconds and each host's changed count."""
     extra = {"k31_image_fanout": fanout, "k31_image_tree_poll": 1, "k31_image_check_engine": False}
-    began = time.monotonic()
-    out = run(str(BIN / "ansible-playbook"), "-i", inventory, "playbooks/prepare.yml", "--tags", "k31_image",
-              "--limit", ",".join(["localhost", *hosts]), "-e", json.dumps(extra))
-    seconds = round(time.monotonic() - began, 1)
-    return seconds, {host: int(changed) for host, changed, unreachable, failed in RECAP.findall(out)}
+    return prepare(inventory, hosts, "k31_image", json.dumps(extra))
 
 
 def measure_image(sizes: list[int], rate: str, name: str = "bench-imgtree") -> dict:
     """{seconds, ratios, rerun_changed, setup} for the image archive, naive and tree, to each of `sizes` hosts."""
-    results: dict[str, float] = {}
-    changed: dict[str, int] = {}
     try:
         inventory = run(str(BIN / "k31"), "sandbox", "up", "--name", name, "--shape", "fanout-container",
                         "--nodes", str(max(sizes))).strip().splitlines()[-1]
@@ -135,23 +145,14 @@ def measure_image(sizes: list[int], rate: str, name: str = "bench-imgtree") -> d
         staging_sandbox.peer_ssh(name)
         staging_sandbox.shape_links(name, rate)
         staging_sandbox.shape_controller_link(name, rate)
-        for n in sizes:
-            for fanout, label in (("controller", "naive"), ("tree", "tree")):
-                staging_sandbox.cluster._parallel(lambda ctr: staging_sandbox.node_sh(
-                    ctr, f"podman rmi --force {IMAGE} >/dev/null 2>&1; rm -f {IMAGE_COPY}"), containers)
-                wall, _ = load_image(inventory, hosts[:n], fanout)
-                rerun, recap = load_image(inventory, hosts[:n], fanout)
-                key = f"{label}_{n}"
-                results.update({f"image_{key}_wall_s": wall, f"image_{key}_rerun_s": rerun,
-                                f"image_{key}_s": round(wall - rerun, 1)})
-                changed[key] = sum(recap.values())
-                print(f"bench: image {key}: {wall} s, re-run {rerun} s (changed={changed[key]})",
-                      file=sys.stderr, flush=True)
+        results, changed, ratios = naive_vs_tree(
+            "image", sizes, "controller",
+            lambda: staging_sandbox.cluster._parallel(lambda ctr: staging_sandbox.node_sh(
+                ctr, f"podman rmi --force {IMAGE} >/dev/null 2>&1; rm -f {IMAGE_COPY}"), containers),
+            lambda some, fanout: load_image(inventory, some, fanout), hosts)
     finally:
         subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, env=env(),
                        capture_output=True, check=False)
-    ratios = {f"image_tree_over_naive_{n}": round(results[f"image_tree_{n}_s"] / results[f"image_naive_{n}_s"], 2)
-              for n in sizes}
     return {"seconds": results, "ratios": ratios, "rerun_changed": changed, "setup": {"rate": rate, "sizes": sizes}}
 
 
