@@ -40,6 +40,14 @@ def request_port(server):
     return int(node_sh(NAME, f"{server}-t0", f"cat /var/lib/k31/k31-{server}-r0.request-port"))
 
 
+def journals(server):
+    """What started the server's ranks, and what its host's PD-rule watcher did: a port taken twice is a second
+    start, and these say whose."""
+    return {host: node_sh(NAME, host, f"journalctl -o short-monotonic --no-pager -n 60 -u k31-{server}-r{rank} "
+                                       f"-u k31-pd-follow", check=False)[-4000:]
+            for rank, host in ((0, f"{server}-t0"), (1, f"{server}-t1"))}
+
+
 def started(host, server, rank):
     """When systemd last started the rank's main process, and its restart count."""
     state = unit_state(NAME, host, f"k31-{server}-r{rank}")
@@ -97,7 +105,7 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
     # restarted worker, before each start took the next port of the range.
     assert report.counts["complete"] == len(report.records), report.counts
     for server in SERVERS:
-        assert request_port(server) == ports[server] + 1, (server, ports[server])
+        assert request_port(server) == ports[server] + 1, (server, ports[server], journals(server))
     assert during >= 30 and max(r.start for r in report.records) > ended
     after = {(s, r): started(f"{s}-t{r}", s, r) for s in SERVERS for r in (0, 1)}
     for server in SERVERS:

@@ -141,6 +141,33 @@ def test_a_decode_that_only_stops_answering_has_not_restarted():
     assert f.pending is None and restarts(host) == []
 
 
+def test_a_decode_that_answers_an_error_status_for_a_while_has_not_restarted():
+    host = FakeHost()
+    f = follow.Follower(dict(CONFIG), host)
+    tick(f, host)
+    host.up["d0"] = "error"  # a busy SGLang's /health: its probe generation timed out, 503
+    tick(f, host)
+    tick(f, host)
+    host.up["d0"] = True
+    for _ in range(3):
+        assert tick(f, host) is False
+    assert f.pending is None and restarts(host) == []
+
+
+@pytest.mark.parametrize("seen", [["down", "error", "error"],      # crashed, then loading (503 until ready)
+                                  ["error", "down", "error"]])     # a graceful stop (503 while it drains)
+def test_a_decode_gone_then_loading_then_up_has_restarted(seen):
+    host = FakeHost()
+    f = follow.Follower(dict(CONFIG), host)
+    tick(f, host)
+    for state in seen:
+        host.up["d0"] = state
+        tick(f, host)
+    host.up["d0"] = True
+    assert tick(f, host) is True
+    assert restarts(host) == [("restart", ("k31-p0-r0",))]
+
+
 def test_a_hold_defers_and_a_prefill_restarted_after_the_decode_counts():
     host = FakeHost()
     f = follow.Follower(dict(CONFIG), host)
@@ -217,3 +244,35 @@ def test_hold_file_counts_from_its_mtime(tmp_path):
     assert real.held(str(hold)) is True
     hold.write_text("0\n")
     assert real.held(str(hold)) is False
+
+
+def test_the_real_host_tells_an_error_status_from_nothing_listening():
+    import http.server
+    import socket
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        code = 200
+
+        def do_GET(self):
+            self.send_response(Health.code)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    real = follow.Host(timeout=2.0)
+    url = f"http://127.0.0.1:{server.server_address[1]}/health"
+    try:
+        assert real.health(url) == "up"
+        Health.code = 503
+        assert real.health(url) == "error"      # a process answers: unhealthy or loading, not gone
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as probe:                # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    assert real.health(f"http://127.0.0.1:{closed}/health") == "down"

@@ -8,11 +8,12 @@ and came back through systemd's Restart=on-failure, or one an operator restarted
 Design (why it runs here): nodes hold no SSH keys to each other and the router host cannot restart units
 elsewhere, so the watcher runs on every PREFILL host and restarts only that host's own prefill units. It
 polls each paired decode's /health over the cluster network (the path KV transfer uses anyway). A decode
-that was seen up, then down (connection refused or an error status: its process was gone or loading),
-then up again has restarted -- a decode that merely stops answering (a hung host, a network cut) has
-not, and restarting prefills for it would cost a model load each; once it is healthy, the local prefill units are
-restarted unless they already started after the decode came back (k31 redeploy's own prefill pass does
-that). While /run/k31/pd-follow.hold exists (k31 redeploy writes it; its text is the seconds it holds
+that was seen up, then down (nothing listening: its process was gone; an error status after that is it
+loading), then up again has restarted. One that only answers an error status for a while (a busy SGLang's
+/health times out its probe generation and says 503) or stops answering (a hung host, a network cut) is the
+same process and has not: restarting prefills for it would cost a model load each. Once it is healthy, the
+local prefill units are restarted unless they already started after the decode came back (k31 redeploy's own
+prefill pass does that). While /run/k31/pd-follow.hold exists (k31 redeploy writes it; its text is the seconds it holds
 for, counted from its mtime) the watcher waits for the redeploy's drained restart instead of racing it.
 Rank 0 of a prefill is drained through the SGLang router's worker API first and re-added after its
 /health gate; prefill servers take turns (index x stagger seconds) so they are not all out at once.
@@ -77,14 +78,15 @@ class Host:
             return status, None
 
     def health(self, url: str) -> str:
-        """up (200), down (refused or an error status: the process is gone or loading), or silent (no
-        answer in time: a hung host or a network cut, which alone is no restart)."""
+        """up (200); error (an error status: a process answers, unhealthy or still loading); down (refused,
+        reset or unreachable: no process listens); silent (no answer in time: a hung host or a network cut).
+        Only down says the process went away."""
         req = urllib.request.Request(url)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return "up" if resp.status == 200 else "down"
+                return "up" if resp.status == 200 else "error"
         except urllib.error.HTTPError:
-            return "down"
+            return "error"
         except (OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             return "silent" if isinstance(exc, socket.timeout) or isinstance(reason, socket.timeout) else "down"
@@ -131,9 +133,13 @@ class Follower:
                     self.pending = now
                     self.because = sorted({*self.because, name})
                 self.state[name] = "up"
-            elif seen == "down" and was == "up":
-                log(f"decode {name} is down (/health refused or not 200)")
+            elif seen == "down" and was in ("up", "error"):
+                log(f"decode {name} is down (nothing answers on its /health port)")
                 self.state[name] = "down"
+            elif seen == "error" and was == "up":
+                # Still down after a restart is loading; from up it is the same process, unhealthy for now.
+                log(f"decode {name} answers /health with an error status (the same process: no restart)")
+                self.state[name] = "error"
         if self.pending is None:
             return False
         if self.host.held(self.cfg.get("hold_file", "/run/k31/pd-follow.hold")):
