@@ -81,7 +81,7 @@ def discovery_unit(name: str, **context) -> str:
 def test_etcd_unit_is_the_one_before_the_move():
     # Byte for byte the unit the template wrote itself before the command moved to Python (and before the unit
     # moved to k31_unit's one service template): a change would restart etcd on the next deploy.
-    unit = discovery_unit("k31-etcd", hostvars={"localhost": {"k31_validate_plan": gb300_plan()}},
+    unit = discovery_unit("k31-etcd", _k31_plan=gb300_plan(),
                           k31_dynamo_state_dir="/var/lib/k31")
     assert unit == """\
 # Ansible managed
@@ -103,7 +103,7 @@ WantedBy=multi-user.target"""
 
 
 def test_nats_conf_is_the_one_before_the_move():
-    conf = render("k31-nats.conf.j2", hostvars={"localhost": {"k31_validate_plan": gb300_plan("fd00::5")}},
+    conf = render("k31-nats.conf.j2", _k31_plan=gb300_plan("fd00::5"),
                   k31_dynamo_nats_token=TOKEN)
     assert conf == f"""\
 # Ansible managed

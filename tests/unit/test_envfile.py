@@ -244,7 +244,7 @@ def test_the_engine_script_echoes_no_command_into_a_comment(tmp_path):
     rank = dict(server["ranks"][0])
     rank["argv"] = [*rank["argv"], "--served-model-name", f"m\ntouch {pwned}\n"]    # as if past validation
     script = render(ROOT / "roles/k31_engine/templates/engine.sh.j2", item={"server": server, "rank": rank},
-                    hostvars={"localhost": {"k31_validate_plan": plan}}, k31_engine_runtime="container",
+                    _k31_plan=plan, k31_engine_runtime="container",
                     k31_engine_etc_dir="/etc/k31", k31_engine_container_cli="docker", k31_engine_venv="/opt/k31/venv",
                     k31_engine_container_extra_flags=[], k31_engine_pinned_image="")
     comments = [line for line in script.splitlines() if line.startswith("#")]

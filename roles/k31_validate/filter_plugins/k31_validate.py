@@ -40,11 +40,23 @@ SET_TAGS = {
 
 
 def role_defaults(playbook_dir: str) -> dict[str, Any]:
-    """Every role's defaults, `{{ playbook_dir }}` filled in as the roles see it."""
+    """Every role's defaults, `{{ playbook_dir }}` and the shared paths of roles/k31 (`{{ _k31_wheelhouse }}`)
+    filled in as the roles see them."""
+    def fill(value: Any, names: dict[str, str]) -> Any:
+        if not isinstance(value, str):
+            return value
+        for name, text in names.items():
+            value = value.replace(f"{{{{ {name} }}}}", text)
+        return value
+
+    names = {"playbook_dir": playbook_dir}
+    shared = yaml.safe_load((ROLES / "k31" / "vars" / "main.yml").read_text()) or {}
+    names |= {name: fill(value, names) for name, value in shared.items()
+              if isinstance(value, str) and value.count("{{") == 1 and "playbook_dir" in value}
     out: dict[str, Any] = {}
     for path in sorted(ROLES.glob("*/defaults/main.yml")):
         for name, value in (yaml.safe_load(path.read_text()) or {}).items():
-            out[name] = value.replace("{{ playbook_dir }}", playbook_dir) if isinstance(value, str) else value
+            out[name] = fill(value, names)
     return out
 
 
