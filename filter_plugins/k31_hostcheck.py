@@ -28,7 +28,7 @@ def k31_preflight_checks(output: str, plan: dict[str, Any], host: str,
         raise AnsibleFilterError(f"error: {host}: {exc}") from None
 
 
-def k31_preflight_report(hosts: list[str], hostvars: Any, fact: str = "k31_preflight_result") -> dict[str, Any]:
+def k31_preflight_report(hosts: list[str], hostvars: Any, fact: str = "_k31_preflight_result") -> dict[str, Any]:
     """All hosts' records together; a host without a result (unreachable, probe failed) is a failure."""
     results = []
     for host in hosts:

@@ -176,16 +176,16 @@ def template_context(plan: dict, env: dict[str, str], runtime: str = "container"
     rank = {**server["ranks"][0], "env": env}
     host_env = [{"content": base64.b64encode(b"MC_GID_INDEX=3\nSGLANG_HOST_IP=10.0.0.1\n").decode()}]
     return {
-        "item": {"server": server, "rank": rank}, "k31_engine_host_env": {"results": host_env},
+        "item": {"server": server, "rank": rank}, "_k31_engine_host_env": {"results": host_env},
         "k31_engine_extra_env": {}, "k31_engine_hf_token": "", "k31_engine_runtime": runtime,
         "k31_engine_etc_dir": "/etc/k31", "k31_engine_standin_load_seconds": 1, "k31_engine_standin_model_dir": "/m",
-        "k31_dynamo_plan": {"env": env}, "k31_dynamo_runtime": runtime, "k31_dynamo_state_dir": "/var/lib/k31/dynamo",
+        "_k31_dynamo_plan": {"env": env}, "k31_dynamo_runtime": runtime, "k31_dynamo_state_dir": "/var/lib/k31/dynamo",
         "k31_dynamo_nats_token": "t" * 64, "k31_engine_nats_token": "t" * 64,
-        "k31_router_plan": {"env": env}, "k31_router_runtime": runtime, "k31_router_api_key": "",
+        "_k31_router_plan": {"env": env}, "k31_router_runtime": runtime, "k31_router_api_key": "",
         "k31_router_control_plane_key": "",
-        "k31_mnnvl_env": env, "k31_mnnvl_addresses": ["10.0.0.1", "10.0.0.2"], "inventory_hostname": "t0",
-        "k31_model_env": env, "k31_model_items": [{"dest": "/models/k31"}],
-        "k31_rdma_env": env, "k31_rdma_selection": {"ports": [{"device": "mlx5_0"}], "left_out": ["mlx5_1: down"]},
+        "_k31_mnnvl_env": env, "_k31_mnnvl_addresses": ["10.0.0.1", "10.0.0.2"], "inventory_hostname": "t0",
+        "_k31_model_env": env, "_k31_model_items": [{"dest": "/models/k31"}],
+        "_k31_rdma_env": env, "_k31_rdma_selection": {"ports": [{"device": "mlx5_0"}], "left_out": ["mlx5_1: down"]},
     }
 
 
@@ -246,7 +246,7 @@ def test_the_engine_script_echoes_no_command_into_a_comment(tmp_path):
     script = render(ROOT / "roles/k31_engine/templates/engine.sh.j2", item={"server": server, "rank": rank},
                     _k31_plan=plan, k31_engine_runtime="container",
                     k31_engine_etc_dir="/etc/k31", k31_engine_container_cli="docker", k31_engine_venv="/opt/k31/venv",
-                    k31_engine_container_extra_flags=[], k31_engine_pinned_image="")
+                    _k31_engine_container_extra_flags=[], k31_engine_pinned_image="")
     comments = [line for line in script.splitlines() if line.startswith("#")]
     assert not any("--served-model-name" in line or "sglang" in line for line in comments)
     bin_dir = tmp_path / "bin"

@@ -28,7 +28,7 @@ def test_every_filter_has_its_doc_file():
 def test_preflight_checks_and_report_with_an_unreachable_host():
     plan = resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 64})
     result = FILTERS["k31_preflight_checks"](SANDBOX_OUT, plan, "node0", {"require_gpu": False})
-    hostvars = {"node0": {"k31_preflight_result": result}, "node1": {}}
+    hostvars = {"node0": {"_k31_preflight_result": result}, "node1": {}}
     rep = FILTERS["k31_preflight_report"](["node0", "node1"], hostvars)
     assert not rep["ok"]
     assert rep["failures"] == [{"host": "node1", "check": "probe", "status": "fail", "found": "no pre-flight result",

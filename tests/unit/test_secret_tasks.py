@@ -139,7 +139,7 @@ def all_tasks() -> list[tuple[str, dict[str, Any], Path]]:
 def test_the_declared_secrets_and_what_derives_from_them_are_found():
     assert {"k31_router_api_key", "k31_engine_hf_token", "k31_model_hf_token", "k31_smoke_api_key",
             "k31_redeploy_router_api_key", "k31_redeploy_follow_api_key", "_k31_redeploy_headers",
-            "k31_redeploy_follow_config"} <= SECRETS
+            "_k31_redeploy_follow_config"} <= SECRETS
 
 
 def test_every_role_variable_named_like_a_secret_is_declared_no_log():
@@ -236,8 +236,8 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     assert handed_over(bad_header, tmp_path / "x.yml") == {"_k31_redeploy_headers"}
     only_condition = {"name": "c", "ansible.builtin.debug": {"msg": "hi"}, "when": "k31_router_api_key | length > 0"}
     assert handed_over(only_condition, tmp_path / "x.yml") == set()
-    names = {"k31_model_download"}
-    assert whole_results("{{ k31_model_download.results }}", names) == names
-    assert whole_results("{{ k31_model_download }}", names) == names
-    assert whole_results("{{ k31_model_download.stdout_lines }}", names) == set()
-    assert whole_results("{{ k31_model_download.results[0].stdout_lines }}", names) == set()
+    names = {"_k31_model_download"}
+    assert whole_results("{{ _k31_model_download.results }}", names) == names
+    assert whole_results("{{ _k31_model_download }}", names) == names
+    assert whole_results("{{ _k31_model_download.stdout_lines }}", names) == set()
+    assert whole_results("{{ _k31_model_download.results[0].stdout_lines }}", names) == set()
