@@ -222,7 +222,8 @@ def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dic
 
 
 def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
-    """Hosts that run something from the serving image (the k31_image role's k31_image_enabled)."""
+    """Hosts that run something from the serving image: k31_image_enabled where the inventory sets it, else the
+    test of roles/k31's _k31_serves_image (its default), which this one must keep in step with."""
     engines = {h for g in ENGINE_GROUPS for h in groups.get(g, [])}
     routers = set(groups.get("k31_router", []))
     kind = (plan.get("router") or {}).get("kind")
