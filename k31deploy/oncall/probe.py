@@ -1,13 +1,16 @@
-"""Runs ON each host (shipped by `k31 status` / `k31 logs` through Ansible's script module): reads the
-k31 units' systemd state, probes the health URLs where each unit binds, and prints one JSON document.
+"""The host-side client: runs ON each host. `k31 status` / `k31 logs` ship it through Ansible's script module
+(it reads the k31 units' systemd state, probes the health URLs where each unit binds, and prints one JSON
+document; the controller appends a line calling cli() with what to probe on every host), and k31_engine and
+k31_redeploy install it beside the engines' health gate and the PD watcher as /usr/local/lib/k31/k31_probe.py,
+which import its HTTP and systemd calls: request(), health(), unit_props().
 
 Standard library only and Python 3.8-compatible: hosts have nothing of k31 but what the roles put there.
-The controller appends a line calling cli() with what to probe on every host.
 """
 
 import json
 import os
 import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -48,9 +51,14 @@ def discovered_units(etc_dir):
     return sorted(u for u in found if u in EXTRA_UNITS or os.path.exists(f"{etc_dir}/{u}.sh"))
 
 
+def unit_props(unit, names):
+    """The systemd properties `names` of `unit` as systemctl shows them; {} when it cannot say."""
+    rc, out = run(["systemctl", "show", "-p", ",".join(names), unit])
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line) if rc == 0 else {}
+
+
 def unit_state(unit, now_mono):
-    rc, out = run(["systemctl", "show", "-p", ",".join(PROPS), unit])
-    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line) if rc == 0 else {}
+    props = unit_props(unit, PROPS)
     started_mono = int(props.get("ExecMainStartTimestampMonotonic") or 0) / 1e6
     active = props.get("ActiveState", "unknown")
     return {
@@ -100,19 +108,41 @@ def http(url, timeout=3.0, auth=None):
             context.verify_mode = ssl.CERT_NONE
         if auth.get("cert"):
             context.load_cert_chain(auth["cert"], auth["key"])
+    return request(url, headers=headers, timeout=timeout, context=context)
+
+
+def request(url, method="GET", body=None, headers=None, timeout=3.0, context=None):
+    """One HTTP call to a cluster address, never through a proxy the environment names. {"status": the HTTP
+    status, 0 when nothing answered; "json": the body, when it parses; "error": why nothing answered;
+    "silent": true when that was a timeout (a hung host or a network cut, not a closed port)}."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
     try:
-        request = urllib.request.Request(url, headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
+        with opener.open(req, timeout=timeout) as resp:
             raw = resp.read()
             status = resp.status
     except urllib.error.HTTPError as exc:
         return {"status": exc.code}
     except (OSError, ValueError) as exc:
-        return {"status": 0, "error": str(getattr(exc, "reason", exc))}
+        reason = getattr(exc, "reason", exc)
+        return {"status": 0, "error": str(reason),
+                "silent": isinstance(exc, socket.timeout) or isinstance(reason, socket.timeout)}
     try:
         return {"status": status, "json": json.loads(raw) if raw else None}
     except ValueError:
         return {"status": status}
+
+
+def health(url, timeout=3.0):
+    """up (200); error (an error status: a process answers, unhealthy or still loading); down (refused, reset or
+    unreachable: no process listens); silent (no answer in time: a hung host or a network cut)."""
+    answer = request(url, timeout=timeout)
+    if answer["status"]:
+        return "up" if answer["status"] == 200 else "error"
+    return "silent" if answer.get("silent") else "down"
 
 
 def runtime(unit, etc_dir):

@@ -4,23 +4,18 @@ model-load cadence, and an early failure on a crash loop instead of waiting out 
 from __future__ import annotations
 
 import http.server
-import importlib.machinery
-import importlib.util
 import json
 import threading
-from pathlib import Path
 
 import pytest
+from host_scripts import ROLES
+from host_scripts import load as load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "roles" / "k31_engine" / "files" / "k31-engine-gate"
+SCRIPT = ROLES / "k31_engine" / "files" / "k31-engine-gate"
 
 
 def load():
-    loader = importlib.machinery.SourceFileLoader("k31_engine_gate", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("k31_engine_gate", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "k31_engine_gate")
 
 
 class Clock:
@@ -111,3 +106,31 @@ def test_the_real_probe_takes_503_as_not_yet_and_ignores_proxies(health_server, 
     assert not gate.answers("http://127.0.0.1:9/health", 1)
     with pytest.raises(SystemExit):
         gate.main(["--timeout", "30", "--target", "k31-d0-r0=ftp://x"])
+
+
+def test_it_runs_as_installed_beside_the_host_side_client(health_server, tmp_path):
+    """/usr/local/lib/k31 as k31_engine lays it out: the gate finds k31_probe.py beside itself (through a link too,
+    as a site's wrapper may call it), and nothing else of k31."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from k31deploy.oncall import probe
+
+    url, _ = health_server
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    shutil.copy(SCRIPT, lib / "k31-engine-gate")
+    shutil.copy(probe.__file__, lib / "k31_probe.py")
+    (tmp_path / "gate").symlink_to(lib / "k31-engine-gate")
+    env = {"PATH": os.environ["PATH"], "http_proxy": "http://127.0.0.1:9"}
+    done = subprocess.run([sys.executable, "-I", str(tmp_path / "gate"), "--timeout", "30", "--quick", "30",
+                           "--target", f"k31-d0-r0={url}"], capture_output=True, text=True, env=env, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["healthy"] == ["k31-d0-r0"]
+    (lib / "k31_probe.py").unlink()
+    missing = subprocess.run([sys.executable, "-I", str(lib / "k31-engine-gate"), "--timeout", "1"],
+                             capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert missing.returncode != 0 and "k31_probe" in missing.stderr

@@ -2,15 +2,10 @@
 seen up, down and up again makes the local prefill restart -- drained through the router, re-added after
 its /health -- unless a redeploy holds it or the prefill already restarted after the decode came back."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from host_scripts import ROLES, load
 
-SCRIPT = Path(__file__).resolve().parents[2] / "roles" / "k31_redeploy" / "files" / "k31-pd-follow.py"
-spec = importlib.util.spec_from_file_location("k31_pd_follow", SCRIPT)
-follow = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(follow)
+follow = load(ROLES / "k31_redeploy" / "files" / "k31-pd-follow.py", "k31_pd_follow")
 
 ROUTER = "http://router:8000"
 ME = "http://p0:30000"

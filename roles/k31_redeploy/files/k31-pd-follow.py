@@ -17,20 +17,22 @@ prefill pass does that). While /run/k31/pd-follow.hold exists (k31 redeploy writ
 for, counted from its mtime) the watcher waits for the redeploy's drained restart instead of racing it.
 Rank 0 of a prefill is drained through the SGLang router's worker API first and re-added after its
 /health gate; prefill servers take turns (index x stagger seconds) so they are not all out at once.
-Python standard library only: it runs on hosts that have nothing of k31 but this file.
+Python standard library only, and the host-side client installed beside it (k31_probe.py, from
+k31deploy/oncall/probe.py): it runs on hosts that have nothing else of k31.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+
+sys.dont_write_bytecode = True    # leave nothing beside the files k31 installed
+sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))
+import k31_probe  # noqa: E402
 
 DEFAULT_CONFIG = "/etc/k31/pd-follow.json"
 
@@ -57,48 +59,22 @@ class Host:
         time.sleep(seconds)
 
     def request(self, method: str, url: str, body: dict | None = None, key: str = "router") -> tuple[int, object]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.keys.get(key):
-            req.add_header("Authorization", f"Bearer {self.keys[key]}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout,
-                                        context=self.tls if url.startswith("https:") else None) as resp:
-                raw = resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as exc:
-            return exc.code, None
-        except (OSError, ValueError):
-            return 0, None
-        try:
-            return status, json.loads(raw) if raw else None
-        except ValueError:
-            return status, None
+        headers = {"Authorization": f"Bearer {self.keys[key]}"} if self.keys.get(key) else {}
+        answer = k31_probe.request(url, method, body, headers, self.timeout,
+                                   self.tls if url.startswith("https:") else None)
+        return answer["status"], answer.get("json")
 
     def health(self, url: str) -> str:
-        """up (200); error (an error status: a process answers, unhealthy or still loading); down (refused,
-        reset or unreachable: no process listens); silent (no answer in time: a hung host or a network cut).
-        Only down says the process went away."""
-        req = urllib.request.Request(url)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return "up" if resp.status == 200 else "error"
-        except urllib.error.HTTPError:
-            return "error"
-        except (OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            return "silent" if isinstance(exc, socket.timeout) or isinstance(reason, socket.timeout) else "down"
+        """up, error, down or silent (k31_probe.health): only down says the process went away."""
+        return k31_probe.health(url, self.timeout)
 
     def healthy(self, url: str) -> bool:
         return self.health(url) == "up"
 
     def started_at(self, unit: str) -> float:
         """When the unit's main process started, on the monotonic clock (0 when it is not running)."""
-        out = subprocess.run(["systemctl", "show", "-p", "ExecMainStartTimestampMonotonic", "--value", unit],
-                             capture_output=True, text=True, check=False).stdout.strip()
-        return int(out or 0) / 1e6
+        prop = "ExecMainStartTimestampMonotonic"
+        return int(k31_probe.unit_props(unit, (prop,)).get(prop) or 0) / 1e6
 
     def restart(self, units: list[str]) -> None:
         subprocess.run(["systemctl", "restart", *units], check=True)
