@@ -145,6 +145,82 @@ def health(url, timeout=3.0):
     return "silent" if answer.get("silent") else "down"
 
 
+def wait_for(done, timeout, now=time.monotonic, sleep=time.sleep, interval=1.0):
+    """Call done() every interval seconds until it is true (True) or timeout seconds passed (False)."""
+    deadline = now() + timeout
+    while not done():
+        if now() >= deadline:
+            return False
+        sleep(interval)
+    return True
+
+
+# The SGLang router's worker API, for k31 redeploy's drain and re-add (run on the router host: router_cli) and the
+# k31-pd-follow watcher. call(method, url, body) -> (status, parsed body) is the caller's authenticated request.
+def router_workers(call, router):
+    """The workers the router lists ([{id, url, is_healthy, ...}]); None when it did not answer with a list."""
+    status, body = call("GET", router + "/workers", None)
+    return body.get("workers", []) if status == 200 and isinstance(body, dict) else None
+
+
+def drain(call, router, worker_url, timeout, now=time.monotonic, sleep=time.sleep):
+    """Remove worker_url from the router and wait until it no longer lists it: "" when done, else why not."""
+    listed = router_workers(call, router)
+    if listed is None:
+        return "the router did not list its workers (GET /workers)"
+    for worker in listed:
+        if worker.get("url") == worker_url:
+            status, _ = call("DELETE", router + "/workers/" + str(worker.get("id")), None)
+            if status not in (200, 202, 204, 404):
+                return f"DELETE /workers/{worker.get('id')} answered {status or 'nothing'}"
+
+    def gone():
+        workers = router_workers(call, router)
+        return workers is not None and all(w.get("url") != worker_url for w in workers)
+
+    if not wait_for(gone, timeout, now, sleep):
+        return f"the router still lists {worker_url} after {timeout:g} s"
+    return ""
+
+
+def rejoin(call, router, worker, timeout, now=time.monotonic, sleep=time.sleep):
+    """POST the worker ({url, worker_type, bootstrap_port, api_key}) to the router and wait until the router lists
+    it healthy (it checks /health itself first): "" when done, else why not."""
+    status, _ = call("POST", router + "/workers", worker)
+    if status not in (200, 201, 202):
+        return f"POST /workers answered {status or 'nothing'}"
+
+    def healthy():
+        return any(w.get("url") == worker["url"] and w.get("is_healthy")
+                   for w in router_workers(call, router) or [])
+
+    if not wait_for(healthy, timeout, now, sleep):
+        return f"the router does not list {worker['url']} healthy after {timeout:g} s"
+    return ""
+
+
+def router_cli(action, spec):
+    """k31 redeploy's drain or re-add on the router host, which asks its own router (public_tls: the site's
+    certificate, not checked here). spec (stdin, as it may hold the keys): {"router", "key", "timeout",
+    "worker_url" | "worker"}. Prints {"ok", "reason", "at"}; exit 1 when not ok."""
+    headers = {"Authorization": "Bearer " + spec["key"]} if spec.get("key") else {}
+    context = None
+    if spec["router"].startswith("https:"):
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+
+    def call(method, url, body):
+        answer = request(url, method, body, headers, 10.0, context)
+        return answer["status"], answer.get("json")
+
+    timeout = float(spec.get("timeout", 30))
+    reason = (drain(call, spec["router"], spec["worker_url"], timeout) if action == "drain"
+              else rejoin(call, spec["router"], spec["worker"], timeout))
+    print(json.dumps({"ok": not reason, "reason": reason, "at": time.time()}))
+    return 1 if reason else 0
+
+
 def runtime(unit, etc_dir):
     """What the unit runs, read from its launch script: a container (with the image the running container
     was started from), a venv, or the stand-in."""
@@ -254,7 +330,10 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-# k31_redeploy's repair ships this file as it is (argv: HOST SPEC-JSON); `k31 status` appends its own call
-# line and passes only HOST, so this does not run there.
+# k31_redeploy runs the installed file on the router host (argv: --router drain|rejoin, the spec on stdin), and its
+# repair ships this file as it is (argv: HOST SPEC-JSON); `k31 status` appends its own call line and passes only
+# HOST, so neither runs there.
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--router" and sys.argv[2] in ("drain", "rejoin"):
+    raise SystemExit(router_cli(sys.argv[2], json.load(sys.stdin)))
 if __name__ == "__main__" and len(sys.argv) == 3:
     raise SystemExit(main(json.loads(sys.argv[2]), sys.argv[1]))

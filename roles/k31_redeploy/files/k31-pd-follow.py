@@ -153,32 +153,26 @@ class Follower:
         self.last_restart = {"units": units, "because": because, "at": time.time()}
         log(f"restarted {', '.join(units)}")
 
-    def _workers(self, drain: dict) -> list[dict]:
-        status, body = self.host.request("GET", f"{drain['router']}/workers")
-        return body.get("workers", []) if status == 200 and isinstance(body, dict) else []
+    def _call(self, method: str, url: str, body: dict | None) -> tuple[int, object]:
+        return self.host.request(method, url, body)
 
     def _peers_back(self, drain: dict) -> bool:
-        listed = {w.get("url") for w in self._workers(drain) if w.get("is_healthy", True)}
+        listed = {w.get("url") for w in k31_probe.router_workers(self._call, drain["router"]) or []
+                  if w.get("is_healthy", True)}
         return set(self.cfg.get("peers", [])) <= listed
 
     def _wait(self, what: str, done, timeout: float) -> bool:
-        deadline = self.host.now() + timeout
-        while not done():
-            if self.host.now() >= deadline:
-                log(f"gave up waiting for {what} after {timeout:g} s")
-                return False
-            self.host.sleep(float(self.cfg.get("poll_seconds", 1)))
-        return True
+        if k31_probe.wait_for(done, timeout, self.host.now, self.host.sleep, float(self.cfg.get("poll_seconds", 1))):
+            return True
+        log(f"gave up waiting for {what} after {timeout:g} s")
+        return False
 
     def _drain(self, drain: dict) -> None:
-        url = drain["worker_url"]
-        for worker in self._workers(drain):
-            if worker.get("url") == url:
-                self.host.request("DELETE", f"{drain['router']}/workers/{worker['id']}")
-        self._wait(f"the router to drop {url}", lambda: all(w.get("url") != url for w in self._workers(drain)),
-                   float(self.cfg.get("drain_timeout", 120)))
-        self._wait(f"in-flight requests on {url} to finish", lambda: self._idle(drain["load"]),
-                   float(self.cfg.get("drain_timeout", 120)))
+        timeout = float(self.cfg.get("drain_timeout", 120))
+        why = k31_probe.drain(self._call, drain["router"], drain["worker_url"], timeout, self.host.now, self.host.sleep)
+        if why:
+            log(f"draining {drain['worker_url']}: {why}")
+        self._wait(f"in-flight requests on {drain['worker_url']} to finish", lambda: self._idle(drain["load"]), timeout)
 
     def _idle(self, url: str) -> bool:
         status, body = self.host.request("GET", url, key="engine")
@@ -197,8 +191,10 @@ class Follower:
         # the router's own --api-key gives the workers it starts with. Without it /v1/models says "unknown".
         if self.cfg.get("engine_api_key"):
             body["api_key"] = self.cfg["engine_api_key"]
-        status, _ = self.host.request("POST", f"{drain['router']}/workers", body)
-        log(f"re-added {drain['worker_url']} to the router (HTTP {status})")
+        why = k31_probe.rejoin(self._call, drain["router"], body, float(self.cfg.get("drain_timeout", 120)),
+                               self.host.now, self.host.sleep)
+        log(f"re-adding {drain['worker_url']} to the router: {why}" if why
+            else f"re-added {drain['worker_url']} to the router")
 
     def snapshot(self) -> dict:
         return {"decodes": dict(self.state), "pending": self.pending is not None, "because": self.because,

@@ -1,0 +1,150 @@
+"""The host-side client (k31deploy/oncall/probe.py, installed as k31_probe.py) against a real loopback router: the
+drain and re-add k31 redeploy runs on the router host (the key on stdin, never in argv) and the k31-pd-follow
+watcher calls, and the health classes both rely on."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from loopback import free_port
+
+from k31deploy.oncall import probe
+
+KEY = "cp-secret-9"
+
+
+class Router(http.server.ThreadingHTTPServer):
+    """The SGLang router's worker API as k31 uses it: GET/POST /workers, DELETE /workers/ID, with a Bearer key.
+    A worker posted is listed unhealthy first and healthy from the next listing on (the router checks it)."""
+
+    def __init__(self, workers, healthy_after_post=True):
+        super().__init__(("127.0.0.1", 0), RouterHandler)
+        self.workers = workers
+        self.healthy_after_post = healthy_after_post
+        self.seen = []
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class RouterHandler(http.server.BaseHTTPRequestHandler):
+    def _answer(self, status, body=None):
+        raw = json.dumps(body).encode() if body is not None else b""
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _authorised(self):
+        self.server.seen.append((self.command, self.path))
+        if self.headers.get("Authorization") != f"Bearer {KEY}":
+            self._answer(401, {"error": "unauthorised"})
+            return False
+        return True
+
+    def do_GET(self):
+        if self._authorised():
+            listed = [dict(w) for w in self.server.workers]
+            for worker in self.server.workers:
+                worker["is_healthy"] = worker["is_healthy"] or worker.pop("posted", False)
+            self._answer(200, {"workers": listed})
+
+    def do_DELETE(self):
+        if self._authorised():
+            self.server.workers[:] = [w for w in self.server.workers if f"/workers/{w['id']}" != self.path]
+            self._answer(202, {})
+
+    def do_POST(self):
+        if self._authorised():
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.server.workers.append({"id": "w-new", "url": body["url"], "is_healthy": False,
+                                        "posted": self.server.healthy_after_post, "body": body})
+            self._answer(202, {})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def router():
+    servers = []
+
+    def start(workers, **kw):
+        server = Router(workers, **kw)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def cli(action, spec):
+    """`python3 k31_probe.py --router ACTION` as the redeploy runs it: the spec on stdin, a proxy in the
+    environment that would swallow every call."""
+    env = {"PATH": os.environ["PATH"], "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    argv = [sys.executable, "-I", probe.__file__, "--router", action]
+    done = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=60,
+                          check=False)
+    assert KEY not in " ".join(argv)
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_the_router_host_drains_a_worker_and_waits_until_it_is_gone(router):
+    r = router([{"id": "w1", "url": "http://10.0.0.2:30000", "is_healthy": True},
+                {"id": "w2", "url": "http://10.0.0.3:30000", "is_healthy": True}])
+    rc, out = cli("drain", {"router": r.url, "key": KEY, "timeout": 10, "worker_url": "http://10.0.0.2:30000"})
+    assert (rc, out["ok"], out["reason"]) == (0, True, "")
+    assert [w["id"] for w in r.workers] == ["w2"]
+    assert ("DELETE", "/workers/w1") in r.seen and r.seen[-1] == ("GET", "/workers")
+    assert isinstance(out["at"], float)
+
+
+def test_a_drain_the_router_refuses_says_why_and_fails(router):
+    r = router([{"id": "w1", "url": "http://10.0.0.2:30000", "is_healthy": True}])
+    rc, out = cli("drain", {"router": r.url, "key": "wrong", "timeout": 10, "worker_url": "http://10.0.0.2:30000"})
+    assert rc == 1 and not out["ok"] and "GET /workers" in out["reason"]
+    assert len(r.workers) == 1
+    rc, out = cli("drain", {"router": f"http://127.0.0.1:{free_port()}", "key": KEY, "timeout": 10,
+                            "worker_url": "http://10.0.0.2:30000"})
+    assert rc == 1 and "did not list" in out["reason"]
+
+
+def test_the_router_host_readds_a_worker_and_waits_until_it_is_healthy(router):
+    r = router([])
+    worker = {"url": "http://10.0.0.2:30000", "worker_type": "prefill", "bootstrap_port": 8998, "api_key": "ek"}
+    rc, out = cli("rejoin", {"router": r.url, "key": KEY, "timeout": 10, "worker": worker})
+    assert (rc, out["reason"]) == (0, "")
+    assert r.workers[0]["body"] == worker and r.workers[0]["is_healthy"]
+
+
+def test_a_readded_worker_the_router_never_finds_healthy_fails_after_the_timeout(router):
+    r = router([], healthy_after_post=False)
+    clock = iter(range(0, 1000, 1))
+    reason = probe.rejoin(lambda m, u, b: _call(m, u, b), r.url, {"url": "http://10.0.0.2:30000"}, 5,
+                          now=lambda: next(clock), sleep=lambda s: None)
+    assert reason == "the router does not list http://10.0.0.2:30000 healthy after 5 s"
+
+
+def _call(method, url, body):
+    answer = probe.request(url, method, body, {"Authorization": f"Bearer {KEY}"})
+    return answer["status"], answer.get("json")
+
+
+def test_health_tells_up_from_an_error_status_from_nothing_listening(router, monkeypatch):
+    r = router([])
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    assert probe.health(f"{r.url}/workers") == "error"        # 401: a process answers
+    assert probe.health(f"http://127.0.0.1:{free_port()}/health") == "down"
+    assert probe.request(f"{r.url}/workers", headers={"Authorization": f"Bearer {KEY}"}) == {
+        "status": 200, "json": {"workers": []}}
