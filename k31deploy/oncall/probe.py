@@ -155,7 +155,7 @@ def wait_for(done, timeout, now=time.monotonic, sleep=time.sleep, interval=1.0):
     return True
 
 
-# The SGLang router's worker API, for k31 redeploy's drain and re-add (run on the router host: router_cli) and the
+# The SGLang router's worker API, for k31 redeploy's drain and re-add (run on the router host: call_cli) and the
 # k31-pd-follow watcher. call(method, url, body) -> (status, parsed body) is the caller's authenticated request.
 def router_workers(call, router):
     """The workers the router lists ([{id, url, is_healthy, ...}]); None when it did not answer with a list."""
@@ -199,13 +199,30 @@ def rejoin(call, router, worker, timeout, now=time.monotonic, sleep=time.sleep):
     return ""
 
 
-def router_cli(action, spec):
-    """k31 redeploy's drain or re-add on the router host, which asks its own router (public_tls: the site's
-    certificate, not checked here). spec (stdin, as it may hold the keys): {"router", "key", "timeout",
-    "worker_url" | "worker"}. Prints {"ok", "reason", "at"}; exit 1 when not ok."""
+def in_flight(call, load_url):
+    """Requests an engine runs or queues, from its /get_load; None when it has no such endpoint to read."""
+    status, body = call("GET", load_url, None)
+    if status != 200 or not isinstance(body, list):
+        return None
+    return sum(int(r.get("num_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in body)
+
+
+def idle(call, load_url, timeout, interval=1.0, now=time.monotonic, sleep=time.sleep):
+    """Wait until the engine has no request in flight (or nothing to read it from): "" then, else why not."""
+    if wait_for(lambda: not in_flight(call, load_url), timeout, now, sleep, interval):
+        return ""
+    return f"requests were still in flight on {load_url} after {timeout:g} s"
+
+
+def call_cli(action, spec):
+    """One step of k31 redeploy run on a host, its spec on stdin (it may hold the keys): drain or rejoin on the
+    router host, which asks its own router (public_tls: the site's certificate, not checked here) -- {"router",
+    "key", "timeout", "worker_url" | "worker"}; idle on the engine host -- {"load_url", "key", "timeout",
+    "interval", "not_before": the epoch before which requests routed just before the drain may still arrive}.
+    Prints {"ok", "reason", "at"}; exit 1 when not ok."""
     headers = {"Authorization": "Bearer " + spec["key"]} if spec.get("key") else {}
     context = None
-    if spec["router"].startswith("https:"):
+    if spec.get("router", "").startswith("https:"):
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
@@ -215,8 +232,13 @@ def router_cli(action, spec):
         return answer["status"], answer.get("json")
 
     timeout = float(spec.get("timeout", 30))
-    reason = (drain(call, spec["router"], spec["worker_url"], timeout) if action == "drain"
-              else rejoin(call, spec["router"], spec["worker"], timeout))
+    if action == "drain":
+        reason = drain(call, spec["router"], spec["worker_url"], timeout)
+    elif action == "rejoin":
+        reason = rejoin(call, spec["router"], spec["worker"], timeout)
+    else:
+        time.sleep(max(0.0, min(float(spec.get("not_before", 0)) - time.time(), 60.0)))
+        reason = idle(call, spec["load_url"], timeout, float(spec.get("interval", 1)))
     print(json.dumps({"ok": not reason, "reason": reason, "at": time.time()}))
     return 1 if reason else 0
 
@@ -330,10 +352,13 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-# k31_redeploy runs the installed file on the router host (argv: --router drain|rejoin, the spec on stdin), and its
-# repair ships this file as it is (argv: HOST SPEC-JSON); `k31 status` appends its own call line and passes only
-# HOST, so neither runs there.
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--router" and sys.argv[2] in ("drain", "rejoin"):
-    raise SystemExit(router_cli(sys.argv[2], json.load(sys.stdin)))
+CALLS = ("drain", "rejoin", "idle")
+
+
+# k31_redeploy runs the installed file (argv: --call drain|rejoin|idle, the spec on stdin), and its repair ships this
+# file as it is (argv: HOST SPEC-JSON); `k31 status` appends its own call line and passes only HOST, so neither
+# runs there.
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--call" and sys.argv[2] in CALLS:
+    raise SystemExit(call_cli(sys.argv[2], json.load(sys.stdin)))
 if __name__ == "__main__" and len(sys.argv) == 3:
     raise SystemExit(main(json.loads(sys.argv[2]), sys.argv[1]))

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from loopback import free_port
@@ -90,10 +91,10 @@ def router():
 
 
 def cli(action, spec):
-    """`python3 k31_probe.py --router ACTION` as the redeploy runs it: the spec on stdin, a proxy in the
+    """`python3 k31_probe.py --call ACTION` as the redeploy runs it: the spec on stdin, a proxy in the
     environment that would swallow every call."""
     env = {"PATH": os.environ["PATH"], "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
-    argv = [sys.executable, "-I", probe.__file__, "--router", action]
+    argv = [sys.executable, "-I", probe.__file__, "--call", action]
     done = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=60,
                           check=False)
     assert KEY not in " ".join(argv)
@@ -148,3 +149,41 @@ def test_health_tells_up_from_an_error_status_from_nothing_listening(router, mon
     assert probe.health(f"http://127.0.0.1:{free_port()}/health") == "down"
     assert probe.request(f"{r.url}/workers", headers={"Authorization": f"Bearer {KEY}"}) == {
         "status": 200, "json": {"workers": []}}
+
+
+class Engine(http.server.ThreadingHTTPServer):
+    """An engine's /get_load behind its API key: `load` requests in flight, one fewer at each read."""
+
+    def __init__(self, load):
+        super().__init__(("127.0.0.1", 0), EngineHandler)
+        self.load = load
+        self.reads = []
+
+
+class EngineHandler(RouterHandler):
+    def do_GET(self):
+        if self.headers.get("Authorization") != "Bearer ek":
+            self._answer(401, {})
+            return
+        self.server.reads.append(time.time())
+        self._answer(200, [{"num_reqs": self.server.load, "num_waiting_reqs": 0}])
+        self.server.load = max(0, self.server.load - 1)
+
+
+def test_the_engine_host_waits_out_the_grace_then_the_requests_in_flight():
+    engine = Engine(load=2)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{engine.server_address[1]}/get_load"
+        not_before = time.time() + 1.0
+        rc, out = cli("idle", {"load_url": url, "key": "ek", "timeout": 20, "interval": 0.2, "not_before": not_before})
+        assert (rc, out["reason"]) == (0, "")
+        assert engine.reads[0] >= not_before and len(engine.reads) == 3     # 2 in flight, 1, then none
+        engine.load = 50
+        rc, out = cli("idle", {"load_url": url, "key": "ek", "timeout": 0.5, "interval": 0.2})
+        assert rc == 1 and out["reason"].startswith("requests were still in flight")
+        rc, out = cli("idle", {"load_url": url, "key": "wrong", "timeout": 5})
+        assert rc == 0    # no load to read (401): the drain timeout is all there is, and the stop goes on
+    finally:
+        engine.shutdown()
+        engine.server_close()

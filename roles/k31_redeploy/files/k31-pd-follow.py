@@ -172,13 +172,13 @@ class Follower:
         why = k31_probe.drain(self._call, drain["router"], drain["worker_url"], timeout, self.host.now, self.host.sleep)
         if why:
             log(f"draining {drain['worker_url']}: {why}")
-        self._wait(f"in-flight requests on {drain['worker_url']} to finish", lambda: self._idle(drain["load"]), timeout)
+        why = k31_probe.idle(self._call_engine, drain["load"], timeout, float(self.cfg.get("poll_seconds", 1)),
+                             self.host.now, self.host.sleep)
+        if why:
+            log(why)
 
-    def _idle(self, url: str) -> bool:
-        status, body = self.host.request("GET", url, key="engine")
-        if status != 200 or not isinstance(body, list):
-            return True  # no load endpoint to read: the drain timeout is all there is
-        return sum(int(r.get("num_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in body) == 0
+    def _call_engine(self, method: str, url: str, body: dict | None) -> tuple[int, object]:
+        return self.host.request(method, url, body, key="engine")
 
     def _rejoin(self, drain: dict) -> None:
         if not self._wait(f"{drain['health']} to answer 200", lambda: self.host.healthy(drain["health"]),
