@@ -10,6 +10,7 @@ Standard library only and Python 3.8-compatible: hosts have nothing of k31 but w
 import json
 import os
 import re
+import shutil
 import socket
 import ssl
 import subprocess
@@ -214,12 +215,74 @@ def idle(call, load_url, timeout, interval=1.0, now=time.monotonic, sleep=time.s
     return f"requests were still in flight on {load_url} after {timeout:g} s"
 
 
+def put(src, dest):
+    """Copy src over dest as `cp -p` does (mode, owner, times), through a temporary file: dest is whole throughout."""
+    tmp = dest + ".k31-tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    # 0600 until the source's mode is copied: an env file holds secrets
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out, open(src, "rb") as inp:
+        shutil.copyfileobj(inp, out)
+    info = os.stat(src)
+    os.chown(tmp, info.st_uid, info.st_gid)
+    shutil.copystat(src, tmp)
+    os.replace(tmp, dest)
+
+
+def same(a, b):
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
+
+
+def systemctl(*args):
+    """No timeout of its own: a stop waits for a Dynamo worker that drains itself on SIGTERM (systemd bounds it)."""
+    try:
+        proc = subprocess.run(["systemctl", *args], capture_output=True, text=True)
+    except OSError as exc:
+        return f"systemctl {' '.join(args)} failed: {exc}"
+    return "" if proc.returncode == 0 else f"systemctl {' '.join(args)} failed: {proc.stderr.strip()}"
+
+
+def step(action, spec):
+    """A redeploy step's file swap and unit calls on one engine host: spec {"units", "files": [{"live", "staged",
+    "prev"}] (rollout.step_files), "stage_dir", "rollout": whether this step rolls out a new version}.
+    stop: a rollout first keeps the running version as .prev; then the units stop. start: a rollout puts the staged
+    files that differ in place and drops the stage; then the units start. restore: the .prev copies go back and the
+    units restart on them. "" when done, else why not."""
+    files, units = spec.get("files", []), list(spec["units"])
+    rollout = spec.get("rollout") in (True, "true", "True")
+    if action == "stop":
+        for f in files if rollout else []:
+            if os.path.lexists(f["prev"]):
+                os.remove(f["prev"])
+            if os.path.exists(f["live"]):
+                put(f["live"], f["prev"])
+        return systemctl("stop", *units)
+    if action == "start":
+        if rollout:
+            for f in files:
+                if os.path.exists(f["staged"]) and not same(f["staged"], f["live"]):
+                    put(f["staged"], f["live"])
+            shutil.rmtree(spec["stage_dir"], ignore_errors=True)
+            why = systemctl("daemon-reload")
+            if why:
+                return why
+        return systemctl("start", *units)
+    for f in files:
+        if os.path.exists(f["prev"]):
+            put(f["prev"], f["live"])
+    return systemctl("daemon-reload") or systemctl("restart", *units)
+
+
 def call_cli(action, spec):
     """One step of k31 redeploy run on a host, its spec on stdin (it may hold the keys): drain or rejoin on the
     router host, which asks its own router (public_tls: the site's certificate, not checked here) -- {"router",
     "key", "timeout", "worker_url" | "worker"}; idle on the engine host -- {"load_url", "key", "timeout",
-    "interval", "not_before": the epoch before which requests routed just before the drain may still arrive}.
-    Prints {"ok", "reason", "at"}; exit 1 when not ok."""
+    "interval", "not_before": the epoch before which requests routed just before the drain may still arrive};
+    stop, start or restore on an engine host (step()). Prints {"ok", "reason", "at"}; exit 1 when not ok."""
     headers = {"Authorization": "Bearer " + spec["key"]} if spec.get("key") else {}
     context = None
     if spec.get("router", "").startswith("https:"):
@@ -232,7 +295,9 @@ def call_cli(action, spec):
         return answer["status"], answer.get("json")
 
     timeout = float(spec.get("timeout", 30))
-    if action == "drain":
+    if action in ("stop", "start", "restore"):
+        reason = step(action, spec)
+    elif action == "drain":
         reason = drain(call, spec["router"], spec["worker_url"], timeout)
     elif action == "rejoin":
         reason = rejoin(call, spec["router"], spec["worker"], timeout)
@@ -352,10 +417,10 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-CALLS = ("drain", "rejoin", "idle")
+CALLS = ("drain", "rejoin", "idle", "stop", "start", "restore")
 
 
-# k31_redeploy runs the installed file (argv: --call drain|rejoin|idle, the spec on stdin), and its repair ships this
+# k31_redeploy runs the installed file (argv: --call CALL, the spec on stdin), and its repair ships this
 # file as it is (argv: HOST SPEC-JSON); `k31 status` appends its own call line and passes only HOST, so neither
 # runs there.
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--call" and sys.argv[2] in CALLS:

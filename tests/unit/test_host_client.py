@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from loopback import free_port
@@ -187,3 +188,67 @@ def test_the_engine_host_waits_out_the_grace_then_the_requests_in_flight():
     finally:
         engine.shutdown()
         engine.server_close()
+
+
+@pytest.fixture
+def host(tmp_path):
+    """An engine host's k31 files under tmp_path and a systemctl on PATH that records its calls (and fails a
+    start when asked to)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "systemctl.calls"
+    (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
+                                       f'[ "$1" = start ] && [ -e {tmp_path}/refuse-start ] && exit 1\nexit 0\n')
+    (bin_dir / "systemctl").chmod(0o755)
+    etc, stage = tmp_path / "etc", tmp_path / "stage"
+    files = []
+    for name in ("k31-d0-r0.env", "k31-d0-r0.sh"):
+        live = etc / name
+        live.parent.mkdir(parents=True, exist_ok=True)
+        live.write_text(f"v1 {name}\n")
+        live.chmod(0o600 if name.endswith(".env") else 0o755)
+        staged = Path(str(stage) + str(live))
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        staged.write_text(f"v2 {name}\n")
+        staged.chmod(live.stat().st_mode & 0o777)
+        files.append({"live": str(live), "staged": str(staged), "prev": f"{live}.prev"})
+    spec = {"units": ["k31-d0-r0"], "files": files, "stage_dir": str(stage), "rollout": True}
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def call(action, **change):
+        done = subprocess.run([sys.executable, "-I", probe.__file__, "--call", action],
+                              input=json.dumps({**spec, **change}), capture_output=True, text=True, env=env,
+                              timeout=60, check=False)
+        return done.returncode, json.loads(done.stdout)
+
+    def systemctl_calls():
+        return calls.read_text().splitlines() if calls.exists() else []
+
+    return call, files, systemctl_calls, tmp_path
+
+
+def test_a_rollout_keeps_the_running_version_swaps_in_the_staged_one_and_can_restore_it(host):
+    call, files, systemctl_calls, tmp_path = host
+    env = files[0]
+    assert call("stop") == (0, {"ok": True, "reason": "", "at": pytest.approx(time.time(), abs=30)})
+    assert Path(env["prev"]).read_text() == "v1 k31-d0-r0.env\n" and Path(env["prev"]).stat().st_mode & 0o777 == 0o600
+    assert call("start")[0] == 0
+    assert [Path(f["live"]).read_text() for f in files] == ["v2 k31-d0-r0.env\n", "v2 k31-d0-r0.sh\n"]
+    assert Path(env["live"]).stat().st_mode & 0o777 == 0o600 and not (tmp_path / "stage").exists()
+    assert call("restore")[0] == 0
+    assert [Path(f["live"]).read_text() for f in files] == ["v1 k31-d0-r0.env\n", "v1 k31-d0-r0.sh\n"]
+    assert systemctl_calls() == ["stop k31-d0-r0", "daemon-reload", "start k31-d0-r0", "daemon-reload",
+                                 "restart k31-d0-r0"]
+    assert not list(tmp_path.rglob("*.k31-tmp"))
+
+
+def test_a_restart_for_the_pd_rule_touches_no_file_and_a_refused_start_says_so(host):
+    call, files, systemctl_calls, tmp_path = host
+    before = {f["live"]: Path(f["live"]).read_text() for f in files}
+    assert call("stop", rollout=False)[0] == 0 and call("start", rollout="False")[0] == 0
+    assert {f["live"]: Path(f["live"]).read_text() for f in files} == before
+    assert not any(Path(f["prev"]).exists() for f in files) and (tmp_path / "stage").exists()
+    assert systemctl_calls() == ["stop k31-d0-r0", "start k31-d0-r0"]
+    (tmp_path / "refuse-start").touch()
+    rc, out = call("start", rollout=False)
+    assert rc == 1 and out["reason"].startswith("systemctl start k31-d0-r0 failed")
