@@ -17,7 +17,7 @@ try:
     from k31deploy.monitoring import config as monitoring
     from k31deploy.paths import state_dir
     from k31deploy.recipe import from_mapping, resolve
-    from k31deploy.recipe.hosts import K31_GROUPS
+    from k31deploy.recipe.hosts import K31_GROUPS, serves_image
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -66,6 +66,13 @@ def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str,
                                      extra_flags=extra_flags, image=image or None)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None
+
+
+def k31_serves_image(host: str, groups: dict[str, list[str]], plan: dict[str, Any], engine_runtime: str = "container",
+                     router_runtime: str = "container", dynamo_runtime: str = "container") -> bool:
+    """Whether the host runs something from the serving image (k31deploy.recipe.hosts.serves_image)."""
+    return serves_image(host, groups, (plan.get("router") or {}).get("kind"), engine_runtime, router_runtime,
+                        dynamo_runtime)
 
 
 def k31_image_pinned(image: str, digest: str = "") -> str:
@@ -256,6 +263,7 @@ class FilterModule:
                 "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
                 "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
-                "k31_image_pinned": k31_image_pinned, "k31_platform_family": k31_platform_family,
+                "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
+                "k31_platform_family": k31_platform_family,
                 "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,
                 "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds}

@@ -61,6 +61,19 @@ def is_pem(kind: str, value: str) -> bool:
     return bool(re.fullmatch(rf"(?:{block})+" if kind == "certificate" else block, value))
 
 
+def serves_image(host: str, groups: dict[str, list[str]], router_kind: str | None, engine_runtime: str,
+                 router_runtime: str, dynamo_runtime: str) -> bool:
+    """Whether `host` runs something from the serving image: an engine whose runtime is a container, or the router
+    host when the router (the Dynamo frontend where the plan's router kind is dynamo) runs as one. roles/k31's
+    _k31_serves_image (the k31_image and k31_container_runtime `enabled` default, per host) and the validate
+    filter (before any host is touched) both ask this."""
+    engines = {h for g in ENGINE_GROUPS.values() for h in groups.get(g) or []}
+    if host in engines and engine_runtime == "container":
+        return True
+    runtime = dynamo_runtime if router_kind == "dynamo" else router_runtime
+    return host in (groups.get(ROUTER_GROUP) or []) and runtime == "container"
+
+
 @cache
 def role_variables() -> dict[str, dict[str, Any]]:
     """Every role variable -> its argument spec (plus `role`), from roles/*/meta/argument_specs.yml."""

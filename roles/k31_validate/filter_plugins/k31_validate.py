@@ -20,7 +20,7 @@ try:
     from k31deploy import imagearchive, wheelhouse
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import rules as monitoring_rules
-    from k31deploy.recipe.hosts import PEM_ROLE_VARS, is_pem
+    from k31deploy.recipe.hosts import ENGINE_GROUPS, PEM_ROLE_VARS, is_pem, serves_image
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -29,7 +29,6 @@ CHECKS = ("secrets", "image", "wheelhouse")
 IMAGE_SOURCES = ("registry", "tarball", "build")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-ENGINE_GROUPS = ("k31_unified", "k31_prefill", "k31_decode")
 # Tags of the tasks that install each wheel set (a run whose tags skip them needs no wheelhouse).
 SET_TAGS = {
     "router": {"k31_router", "k31_router_install"},
@@ -223,21 +222,12 @@ def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dic
 
 def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
     """Hosts that run something from the serving image: k31_image_enabled where the inventory sets it, else the
-    test of roles/k31's _k31_serves_image (its default), which this one must keep in step with."""
-    engines = {h for g in ENGINE_GROUPS for h in groups.get(g, [])}
-    routers = set(groups.get("k31_router", []))
+    test roles/k31's _k31_serves_image asks too (k31deploy.recipe.hosts.serves_image), on the roles' defaults."""
     kind = (plan.get("router") or {}).get("kind")
-    out = []
-    for host in hosts.values():
-        if host.has("k31_image_enabled"):
-            if host.flag("k31_image_enabled"):
-                out.append(host)
-            continue
-        router_runtime = host.text("k31_dynamo_runtime" if kind == "dynamo" else "k31_router_runtime")
-        if (host.name in engines and host.text("k31_engine_runtime") == "container") or \
-                (host.name in routers and router_runtime == "container"):
-            out.append(host)
-    return out
+    return [host for host in hosts.values()
+            if (host.flag("k31_image_enabled") if host.has("k31_image_enabled") else
+                serves_image(host.name, groups, kind, host.text("k31_engine_runtime"),
+                             host.text("k31_router_runtime"), host.text("k31_dynamo_runtime")))]
 
 
 def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host],
@@ -306,7 +296,7 @@ def wheel_needs(plan: dict[str, Any], groups: dict[str, list[str]],
             if host.text("k31_dynamo_runtime") == "venv":
                 yield ("dynamo", "dynamo-frontend", host.text("k31_dynamo_wheelhouse"),
                        f"the Dynamo frontend runs from a venv (k31_dynamo_runtime=venv on {host.name})")
-        for name in (h for g in ENGINE_GROUPS for h in groups.get(g, [])):
+        for name in (h for g in ENGINE_GROUPS.values() for h in groups.get(g, [])):
             if name in hosts and hosts[name].text("k31_engine_runtime") == "standin":
                 yield ("dynamo", "dynamo-workers", hosts[name].text("k31_engine_wheelhouse"),
                        f"the Dynamo worker stand-in runs from a venv (k31_engine_runtime=standin on {name})")
