@@ -227,8 +227,8 @@ def test_only_hosts_that_run_the_image_need_its_source():
 @pytest.mark.parametrize("dynamo", [None, "container", "venv"])
 def test_the_roles_and_the_validate_play_agree_on_which_hosts_run_the_image(kind, engine, router, dynamo):
     """roles/k31's _k31_serves_image, rendered as Ansible renders it for each host, names the hosts the validate
-    filter checks the image source of (both ask k31deploy.recipe.hosts.serves_image; the roles' defaults are
-    container where the inventory says nothing)."""
+    filter checks the image source of (both ask k31deploy.recipe.hosts.serves_image; roles/k31's defaults,
+    container, where the inventory says nothing)."""
     import jinja2
     import yaml
 
@@ -237,16 +237,17 @@ def test_the_roles_and_the_validate_play_agree_on_which_hosts_run_the_image(kind
     spec = importlib.util.spec_from_file_location("k31_filter", REPO / "filter_plugins" / "k31.py")
     k31 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(k31)
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined)    # Jinja's own default(): what the role asks
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     env.filters.update(k31.FilterModule().filters())
     expression = yaml.safe_load((REPO / "roles" / "k31" / "vars" / "main.yml").read_text())["_k31_serves_image"]
     groups = {"k31_prefill": ["p0"], "k31_decode": ["d0"], "k31_router": ["r0"], "k31_monitoring": ["m0"]}
     plan = {"router": {"kind": kind}}
     given = {k: v for k, v in {"k31_engine_runtime": engine, "k31_router_runtime": router,
                                "k31_dynamo_runtime": dynamo}.items() if v}
+    defaults = yaml.safe_load((REPO / "roles" / "k31" / "defaults" / "main.yml").read_text())
     rendered = {host for host in ("p0", "d0", "r0", "m0")
                 if env.from_string(expression).render(inventory_hostname=host, groups=groups, _k31_plan=plan,
-                                                      **given).strip() == "True"}
+                                                      **{**defaults, **given}).strip() == "True"}
     runtimes = {"engine": engine or "container", "router": router or "container", "dynamo": dynamo or "container"}
     wanted = {host for host in ("p0", "d0", "r0", "m0")
               if serves_image(host, groups, kind, runtimes["engine"], runtimes["router"], runtimes["dynamo"])}
