@@ -1,8 +1,10 @@
 """The host-side client: runs ON each host. `k31 status` / `k31 logs` ship it through Ansible's script module
 (it reads the k31 units' systemd state, probes the health URLs where each unit binds, and prints one JSON
-document; the controller appends a line calling cli() with what to probe on every host), and k31_engine and
-k31_redeploy install it beside the engines' health gate and the PD watcher as /usr/local/lib/k31/k31_probe.py,
-which import its HTTP and systemd calls: request(), health(), unit_props().
+document; the controller appends a line calling cli() with what to probe on every host). k31_engine,
+k31_redeploy and k31_router install it as /usr/local/lib/k31/k31_probe.py: the engines' health gate and the PD
+watcher import its HTTP and systemd calls (request(), health(), unit_props(), drain(), rejoin(), idle()), and a
+redeploy step runs it with `--call ACTION` on the router host (drain, rejoin) and the engine host (idle, stop,
+start, restore).
 
 Standard library only and Python 3.8-compatible: hosts have nothing of k31 but what the roles put there.
 """
