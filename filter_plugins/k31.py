@@ -68,9 +68,10 @@ def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str,
         raise AnsibleFilterError(f"error: {exc}") from None
 
 
-def k31_serves_image(host: str, groups: dict[str, list[str]], plan: dict[str, Any], engine_runtime: str = "container",
-                     router_runtime: str = "container", dynamo_runtime: str = "container") -> bool:
-    """Whether the host runs something from the serving image (k31deploy.recipe.hosts.serves_image)."""
+def k31_serves_image(host: str, groups: dict[str, list[str]], plan: dict[str, Any], engine_runtime: str,
+                     router_runtime: str, dynamo_runtime: str) -> bool:
+    """Whether the host runs something from the serving image (k31deploy.recipe.hosts.serves_image); the runtimes'
+    defaults are roles/k31's."""
     return serves_image(host, groups, (plan.get("router") or {}).get("kind"), engine_runtime, router_runtime,
                         dynamo_runtime)
 

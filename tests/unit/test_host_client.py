@@ -133,7 +133,7 @@ def test_the_router_host_readds_a_worker_and_waits_until_it_is_healthy(router):
 def test_a_readded_worker_the_router_never_finds_healthy_fails_after_the_timeout(router):
     r = router([], healthy_after_post=False)
     clock = iter(range(0, 1000, 1))
-    reason = probe.rejoin(lambda m, u, b: _call(m, u, b), r.url, {"url": "http://10.0.0.2:30000"}, 5,
+    reason = probe.rejoin(_call, r.url, {"url": "http://10.0.0.2:30000"}, 5,
                           now=lambda: next(clock), sleep=lambda s: None)
     assert reason == "the router does not list http://10.0.0.2:30000 healthy after 5 s"
 
