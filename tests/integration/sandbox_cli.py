@@ -1,6 +1,6 @@
-"""What the sandbox fault tests share (test_oncall, test_redeploy_recovery, test_dynamo_redeploy): the real `k31`
-CLI and ansible-playbook run against a sandbox with the test's own state directory, commands inside a sandbox node
-(`podman exec`), systemd's view of a unit, and polling that treats a restarting server as "not yet"."""
+"""What the sandbox fault tests share (test_oncall, test_dynamo_redeploy): the real `k31` CLI and ansible-playbook
+run against a sandbox with the test's own state directory, commands inside a sandbox node (`podman exec`), systemd's
+view of a unit, and polling that treats a restarting server as "not yet"."""
 
 from __future__ import annotations
 

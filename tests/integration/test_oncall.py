@@ -13,7 +13,16 @@ request's outcome (complete / truncated / refused / error):
     `k31 status` report it;
 (d2) the router host unreachable mid-redeploy: the run fails clearly within the reach timeout (no hang),
     stops nothing it could not drain, and every engine keeps serving;
-(e) teardown asks first, then removes what the deploy created, idempotently.
+(f) interrupted redeploys recover: a real `k31 redeploy decode1` is interrupted once decode1 has restarted --
+    drained out of the router, the prefills' watchers held, the PD rule's prefill restarts still owed:
+    (f1) a lost controller (kill -9 of the whole k31 process group): `k31 status` exits 1 naming the drained
+         decode and the held watchers; `k31 status --repair` refuses while a live redeploy holds the lock, then
+         restarts both prefills (drained) and re-adds decode1; `k31 status` is clean; a second repair changes
+         nothing;
+    (f2) Ctrl-C (SIGINT to k31): the CLI repairs at once and says so;
+    (f3) a lost controller again, and the next `k31 redeploy` (of a prefill) repairs before its own rollout;
+(e) teardown asks first, then removes what the deploy created, idempotently (last: the other scenarios share
+    the one deployed sandbox).
 
 Monitoring (Prometheus, Alertmanager, node exporters, deployed with the fleet on router0; fast intervals here)
 is asserted along the way: the crash in (a) raises K31EngineCrashed, a hung decode pages K31EngineDown and
@@ -25,14 +34,17 @@ Needs root, podman, runc, debootstrap and the router wheels (built into .k31/whe
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import ipaddress
 import json
 import os
 import re
 import shutil
+import signal
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -54,6 +66,9 @@ pytestmark = pytest.mark.integration
 NAME = f"oncall-{os.getpid()}"
 SHAPE = "mi355x-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
+ENGINES = ("prefill0", "prefill1", "decode0", "decode1")
+# (f): the restarted decode loads for a few seconds, the window the interruption lands in.
+SLOW_LOAD = ("-e", "k31_engine_standin_load_seconds=3")
 # Monitoring at test speed: what a site runs at 15 s / 30 s / 20 m, shortened so each alert shows in seconds.
 MONITORING = {"k31_monitoring_scrape_interval": "2s", "k31_monitoring_evaluation_interval": "2s",
               "k31_monitoring_group_wait": "1s", "k31_monitoring_group_interval": "5s",
@@ -78,6 +93,31 @@ def sh(host, command, check=True):
 
 def unit(host, name):
     return unit_state(NAME, host, name)
+
+
+def write(host, path, text):
+    proc = subprocess.run(["podman", "exec", "-i", ctr(host), "sh", "-c", f"cat > {path}"], input=text,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def started(host):
+    """When the host's rank-0 unit's main process started (us, on the monotonic clock the sandbox shares)."""
+    return unit_state(NAME, host, f"k31-{host}-r0")["started"]
+
+
+def kill_tree(pid):
+    """SIGKILL a process this test started and everything under it (ansible-playbook runs in a session of
+    its own, so a process group is not enough), all at once, as a controller that vanished."""
+    tree, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        tree.append(parent)
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent)], capture_output=True, text=True).stdout
+        todo += [int(p) for p in out.split()]
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 class Cluster:
@@ -122,6 +162,40 @@ class Cluster:
         settings = {"sessions": 6, "turns": 4, "max_requests": 2000, "deadline": 600, "max_tokens": LONG_ANSWER,
                     "timeout": 120, **settings}
         return LoadGen(self.router, api_key=self.router_key, model=MODEL, **settings)
+
+    def engine_url(self, host):
+        return self.url(host, 30100 if host.startswith("decode") else 30000)
+
+    def holds(self):
+        return [h for h in ("prefill0", "prefill1")
+                if subprocess.run(["podman", "exec", ctr(h), "test", "-e", "/run/k31/pd-follow.hold"]).returncode == 0]
+
+    def healthy(self, host):
+        return httpx.get(self.engine_url(host) + "/health", timeout=3).status_code == 200
+
+    def interrupt_redeploy(self, sig):
+        """Start `k31 redeploy decode1` and send `sig` once decode1 restarted (drained, prefills owed a restart,
+        watchers held): to k31 alone for SIGINT (Ctrl-C); SIGKILL to k31 and every process under it for a lost
+        controller (it takes ansible-playbook and its SSH sessions with it). Returns (process, its output file)."""
+        before = started("decode1")
+        out = self.inventory.parent / f"redeploy-{sig.name}-{time.monotonic_ns()}.log"
+        with out.open("w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "k31deploy.cli", "redeploy", "decode1",
+                                     "-i", str(self.inventory), *SLOW_LOAD], env=self.env, cwd=REPO,
+                                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for("the redeploy to restart decode1", lambda: started("decode1") > before, timeout=180,
+                     interval=0.3)    # the interruption must land while decode1 restarts
+            assert self.engine_url("decode1") not in self.workers()
+            assert self.holds() == ["prefill0", "prefill1"]
+            if sig == signal.SIGKILL:
+                kill_tree(proc.pid)
+            else:
+                os.kill(proc.pid, sig)
+        except BaseException:
+            kill_tree(proc.pid)
+            raise
+        return proc, out
 
     def all_in_router(self):
         want = {self.url("prefill0", 30000), self.url("prefill1", 30000), self.url("decode0", 30100),
@@ -506,6 +580,98 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
     assert cluster.all_in_router()
     assert k31(cluster.env, "status", "-i", str(cluster.inventory)).returncode == 0
     assert serve_all(cluster) == []
+
+
+def assert_whole_and_pd_rule_kept(cluster):
+    assert cluster.all_in_router()
+    assert cluster.holds() == []
+    decode1 = started("decode1")
+    for host in ("prefill0", "prefill1"):
+        assert started(host) > decode1, f"{host} did not restart after decode1 (the PD rule)"
+
+
+def test_f1_a_lost_controller_is_reported_and_repaired(cluster):
+    t0 = time.monotonic()
+    proc, _ = cluster.interrupt_redeploy(signal.SIGKILL)
+    proc.wait(10)
+    killed_s = time.monotonic() - t0
+    # What the lost run left: decode1 (once loaded) healthy but out of the router, both watchers held.
+    wait_for("decode1 to finish loading", lambda: cluster.healthy("decode1"), timeout=60)
+    status = k31(cluster.env, "status", "-i", str(cluster.inventory), "--json")
+    assert status.returncode == 1
+    problems = json.loads(status.stdout)["problems"]
+    assert any(p.startswith("decode1: healthy but out of the router (no redeploy is running: k31 status --repair")
+               for p in problems), problems
+    assert sum("k31-pd-follow held until" in p and "k31 status --repair releases it" in p for p in problems) == 2
+    assert json.loads(status.stdout)["redeploy"]["lock"] == "stale"   # its ansible-playbook is gone
+
+    # A redeploy that still runs (here: another controller's lock, not expired) is never fought.
+    lock = sh("router0", "cat /run/k31/redeploy.lock")
+    other = {**json.loads(lock), "id": "0" * 16, "controller": "elsewhere", "expires": time.time() + 600}
+    write("router0", "/run/k31/redeploy.lock", json.dumps(other))
+    refused = k31(cluster.env, "status", "--repair", "-i", str(cluster.inventory))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().count("\n") == 0
+    assert refused.stderr.startswith("error: k31 status --repair refused: k31 redeploy of decode1") and \
+        "from elsewhere" in refused.stderr and "ends by itself" in refused.stderr, refused.stderr
+    assert cluster.engine_url("decode1") not in cluster.workers() and cluster.holds() == ["prefill0", "prefill1"]
+    write("router0", "/run/k31/redeploy.lock", lock)
+
+    t1 = time.monotonic()
+    repaired = k31(cluster.env, "status", "--repair", "-i", str(cluster.inventory))
+    repair_s = time.monotonic() - t1
+    assert repaired.returncode == 0, repaired.stdout[-3000:]
+    out = repaired.stdout
+    assert "repair: restart prefill0, drained: it started before decode1 last started" in out
+    assert "repair: re-add decode1 to the router" in out and "no problems found" in out
+    assert "taking over the redeploy lock" in out and "its process is gone" in out
+    assert_whole_and_pd_rule_kept(cluster)
+    assert sh("router0", "test -e /run/k31/redeploy.lock || echo gone").strip() == "gone"
+    # The released watchers find their prefill restarted after decode1 came back: no second restart.
+    after = {h: started(h) for h in ENGINES}
+    time.sleep(3)
+    assert {h: started(h) for h in ENGINES} == after
+    assert k31(cluster.env, "status", "-i", str(cluster.inventory)).returncode == 0
+
+    # Nothing left to do: the repair says so and changes nothing (the CLI, and its playbook run directly).
+    again = k31(cluster.env, "status", "--repair", "-i", str(cluster.inventory))
+    assert again.returncode == 0 and "repair: nothing to repair" in again.stdout
+    run = playbook(cluster.env, cluster.inventory, "playbooks/repair.yml")
+    assert run.returncode == 0 and changed(run.stdout) and not any(changed(run.stdout).values()), run.stdout[-3000:]
+    assert {h: started(h) for h in ENGINES} == after
+    print(f"(f1) redeploy killed {killed_s:.1f} s in; k31 status --repair brought it back in {repair_s:.1f} s")
+
+
+def test_f2_ctrl_c_repairs_at_once(cluster):
+    t0 = time.monotonic()
+    proc, out = cluster.interrupt_redeploy(signal.SIGINT)
+    assert proc.wait(300) == 130
+    took = time.monotonic() - t0
+    text = out.read_text()
+    print(text[-4000:])
+    assert "k31 redeploy: interrupted; bringing back what it left (k31 status --repair -i" in text
+    assert "k31 redeploy: repaired: every healthy server is back in the router" in text
+    assert_whole_and_pd_rule_kept(cluster)
+    assert k31(cluster.env, "status", "-i", str(cluster.inventory)).returncode == 0
+    print(f"(f2) Ctrl-C'd redeploy and its repair took {took:.1f} s")
+
+
+def test_f3_the_next_redeploy_repairs_first(cluster):
+    proc, _ = cluster.interrupt_redeploy(signal.SIGKILL)
+    proc.wait(10)
+    t0 = time.monotonic()
+    before = started("prefill1")
+    # A prefill: its rollout has no PD cascade of its own, so what brings decode1 back is the repair.
+    nxt = k31(cluster.env, "redeploy", "prefill1", "-i", str(cluster.inventory))
+    took = time.monotonic() - t0
+    assert nxt.returncode == 0, nxt.stdout[-3000:]
+    out = nxt.stdout
+    assert "taking over the redeploy lock" in out and "its process is gone" in out
+    assert out.index("re-add decode1 to the router") < out.index("prefill1: ok in")
+    assert started("prefill1") > before
+    assert_whole_and_pd_rule_kept(cluster)
+    assert k31(cluster.env, "status", "-i", str(cluster.inventory)).returncode == 0
+    print(f"(f3) the next redeploy (prefill1) repaired first and rolled in {took:.1f} s")
 
 
 def test_e_status_logs_and_teardown(cluster, tmp_path):
