@@ -174,7 +174,7 @@ def test_every_exposed_api_is_authenticated_or_the_run_is_refused():
 
 # --- image source -------------------------------------------------------------------------------
 
-def test_image_sources_need_their_inputs(tmp_path):
+def test_image_sources_need_their_inputs(tmp_path, monkeypatch):
     plan = resolve(PD)
     assert check(plan, cluster(plan, {"k31_image_source": "ftp"}), ["image"]) == [
         "k31_image_source=ftp on node0, node1 is not valid; valid choices: registry, tarball, build"]
@@ -196,6 +196,16 @@ def test_image_sources_need_their_inputs(tmp_path):
     write_archive(missing, [{"Config": f"{'c' * 64}.json", "RepoTags": ["reg/k31:rocm10"]}])
     assert check(plan, cluster(plan, {"k31_image_source": "tarball", "k31_image_tarball": str(missing)}),
                  ["image"]) == []
+    # the copy to the hosts is rsync from the controller: a controller without it is refused before any host
+    monkeypatch.setattr(kv.shutil, "which", lambda name: None if name == "rsync" else f"/usr/bin/{name}")
+    assert check(plan, cluster(plan, {"k31_image_source": "tarball", "k31_image_tarball": str(missing)}),
+                 ["image"]) == [
+        f"k31_image_tarball={missing} goes to node0, node1 by rsync from the controller (an interrupted copy "
+        "resumes), and this controller has no rsync; install it (apt install rsync), or set "
+        "k31_image_tarball_on_host=true where each host already has the archive"]
+    local = {"k31_image_source": "tarball", "k31_image_tarball": str(missing), "ansible_connection": "local"}
+    assert check(plan, cluster(plan, local), ["image"]) == []     # ansible.builtin.copy there
+    monkeypatch.undo()
     pinned = {"k31_image_source": "tarball", "k31_image_tarball": str(missing),
               "k31_image_digest": "sha256:" + "a" * 64}
     assert check(plan, cluster(plan, pinned), ["image"]) == [

@@ -8,6 +8,7 @@ roles/*/defaults/main.yml, and the secrets are the role variables whose argument
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,10 @@ def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[
                              host.text("k31_router_runtime"), host.text("k31_dynamo_runtime")))]
 
 
+# How Ansible reaches a host that roles/k31_image/tasks/from_controller.yml copies to with rsync ('' is unset: ssh).
+SSH_CONNECTIONS = ("", "ssh", "smart")
+
+
 def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host],
                 problems: Problems) -> None:
     image = plan.get("image")
@@ -269,6 +274,11 @@ def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[
                             archives[tarball] = str(exc)
                     if archives[tarball]:
                         problems.add(f"{archives[tarball]} (for {{hosts}})", host.name)
+                    elif host.text("ansible_connection") in SSH_CONNECTIONS and shutil.which("rsync") is None:
+                        problems.add(f"k31_image_tarball={tarball} goes to {{hosts}} by rsync from the controller "
+                                     "(an interrupted copy resumes), and this controller has no rsync; install it "
+                                     "(apt install rsync), or set k31_image_tarball_on_host=true where each host "
+                                     "already has the archive", host.name)
             else:
                 if not host.text("k31_image_build_context"):
                     problems.add("k31_image_source=build on {hosts} needs k31_image_build_context, an SGLang "
