@@ -89,6 +89,8 @@ def test_the_archive_fans_out_from_one_controller_copy_and_a_lost_copy_comes_bac
     # ... and the next copy resumed it: about half the archive matched what was there, the rest was sent
     stats = {k: int(v.replace(",", "")) for k, v in re.findall(r"(Literal|Matched) data: ([\d,]+) bytes",
                                                                 copied["unified0"])}
+    print(f"the seed's copy from the controller resumed: {stats['Matched']} of {size} bytes matched the half copy, "
+          f"{stats['Literal']} sent")
     assert stats["Matched"] >= size // 2 - 256 * 1024 and stats["Literal"] < size * 0.6, (size, stats)
     said = task(out, SAY)
     assert "round 1 of 3: from the controller" in said["unified0"]
