@@ -198,8 +198,7 @@ class Cluster:
         return proc, out
 
     def all_in_router(self):
-        want = {self.url("prefill0", 30000), self.url("prefill1", 30000), self.url("decode0", 30100),
-                self.url("decode1", 30100)}
+        want = {self.engine_url(h) for h in ENGINES}
         return set(self.workers()) == want and all(self.workers().values())
 
 
@@ -340,8 +339,7 @@ def test_a2_a_hung_decode_pages_and_clears_once_it_answers(cluster):
 
 
 def test_b_rolling_redeploy_of_every_server_under_load_fails_no_request(cluster):
-    servers = ("decode0", "decode1", "prefill0", "prefill1")
-    before = {h: unit(h, f"k31-{h}-r0") for h in servers}
+    before = {h: unit(h, f"k31-{h}-r0") for h in ENGINES}
     # (a)'s kill still shows as a crash (its restart window); the redeploy must add none
     crashed_before = {a[1] for a in cluster.alerts() if a[0] == "K31EngineCrashed"}
     seen: set[tuple] = set()
@@ -381,12 +379,12 @@ def test_b_rolling_redeploy_of_every_server_under_load_fails_no_request(cluster)
     paged = sorted(a for a in seen if a[2] == "page" and a[3] == "active")
     assert paged == [], paged
     assert not [a for a in seen if a[0] == "K31EngineCrashed" and a[1] not in crashed_before], sorted(seen)
-    after = {h: unit(h, f"k31-{h}-r0") for h in servers}
-    for host in servers:
+    after = {h: unit(h, f"k31-{h}-r0") for h in ENGINES}
+    for host in ENGINES:
         assert after[host]["started"] > before[host]["started"], host
         assert after[host]["restarts"] == 0, host    # a start by k31 resets systemd's count: no crash since
     # Canary first, then the other decode, then the prefills (the seed's rule: after the decodes).
-    order = sorted(servers, key=lambda h: after[h]["started"])
+    order = sorted(ENGINES, key=lambda h: after[h]["started"])
     assert order[:2] == ["decode0", "decode1"] and set(order[2:]) == {"prefill0", "prefill1"}, order
     assert "Mooncake mapping" in proc.stdout
     assert cluster.all_in_router()
@@ -534,8 +532,7 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
     router (its prefills could not be drained, so they were not restarted: no request meets a stale mapping),
     the run fails within the reach timeout saying so, and once the router answers `k31 status` shows what is
     owed and `k31 status --repair` settles it."""
-    servers = ("decode0", "decode1", "prefill0", "prefill1")
-    before = {h: unit(h, f"k31-{h}-r0") for h in servers}
+    before = {h: unit(h, f"k31-{h}-r0") for h in ENGINES}
     pauser, paused = pause_once_restarted("router0", "decode1", before["decode1"]["started"])
     env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
     try:
@@ -545,10 +542,9 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
         pauser.join(5)
         assert paused.is_set()
         # every engine still serves, nothing but decode1 restarted
-        for host in servers:
-            port = 30100 if host.startswith("decode") else 30000
-            assert httpx.get(cluster.url(host, port) + "/health", timeout=3).status_code == 200, host
-        after = {h: unit(h, f"k31-{h}-r0") for h in servers}
+        for host in ENGINES:
+            assert cluster.healthy(host), host
+        after = {h: unit(h, f"k31-{h}-r0") for h in ENGINES}
         assert after["decode1"]["started"] > before["decode1"]["started"]
         for host in ("decode0", "prefill0", "prefill1"):
             assert after[host]["started"] == before[host]["started"], host
