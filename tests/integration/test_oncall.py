@@ -537,7 +537,8 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
     env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
     try:
         t0 = time.monotonic()
-        proc = k31(env, "redeploy", "decode1", "-i", str(cluster.inventory), "-e", "k31_redeploy_reach_timeout=15")
+        proc = k31(env, "redeploy", "decode1", "-i", str(cluster.inventory), "-e", "k31_redeploy_reach_timeout=15",
+                   timeout=300)  # a step that hung on the frozen host
         took = time.monotonic() - t0
         pauser.join(5)
         assert paused.is_set()
@@ -556,9 +557,14 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
     assert "decode1 failed (restarted and answers /health, but was not re-added to the router" in out
     assert "prefill0 failed (not drained, so not stopped" in out
     assert "k31 status -i INV --repair" in out
-    # One wait for the frozen router, not one per step: the later steps knew it was gone.
-    assert took < 120, took
-    print(f"(d2) redeploy with the router host frozen failed in {took:.1f} s; every engine kept serving")
+    # One wait for the frozen router in the rollout, not one per step: once a task waited out the reach timeout,
+    # the later steps knew it was gone. The finish asks once more, to re-add the held decode (the router may be
+    # back by then). Counted, not timed: the run's length is mostly the restart and varies with the machine.
+    waited = [line for line in out.splitlines() if re.search(r" \| (ignored|unreachable)( \||$)", line)]
+    assert len(waited) <= 2, waited
+    assert any(line.startswith("localhost | Reach the router host |") for line in waited), waited
+    print(f"(d2) redeploy with the router host frozen failed in {took:.1f} s, {len(waited)} waits for it: {waited}; "
+          "every engine kept serving")
     wait_for("the router to answer again", lambda: httpx.get(cluster.router + "/health", timeout=3)
              .status_code == 200, timeout=60)
     assert cluster.url("decode1", 30100) not in cluster.workers()
