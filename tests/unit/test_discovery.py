@@ -8,8 +8,8 @@ from pathlib import Path
 
 import jinja2
 import pytest
-import yaml
 from ansible.errors import AnsibleFilterError
+from unit_render import render_units
 
 from k31deploy import discovery
 from k31deploy.errors import K31Error
@@ -63,19 +63,8 @@ def render(name: str, **context) -> str:
 
 
 def discovery_unit(name: str, **context) -> str:
-    """The unit tasks/discovery.yml has role k31_unit write for `name`: its loop item's values, then the unit's
-    directives, rendered in turn, then k31_unit's one service template."""
-    env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined)
-    env.filters.update(FILTERS)
-    task = next(t for t in yaml.safe_load((ROLE / "tasks/discovery.yml").read_text())
-                if "k31_unit_service" in (t.get("vars") or {}))
-    item = {k: env.from_string(v).render(**context) if isinstance(v, str) else v
-            for k, v in next(i for i in task["loop"] if i["name"] == name).items()}
-    service = {k: env.from_string(v).render(item=item, **context)
-               for k, v in task["vars"]["k31_unit_service"].items()}
-    text = (ROOT / "roles/k31_unit/templates/k31.service.j2").read_text(encoding="utf-8")
-    return env.from_string(text).render(ansible_managed="Ansible managed", k31_unit_name=name,
-                                        k31_unit_service=service)
+    """The unit tasks/discovery.yml has role k31_unit write for `name`."""
+    return render_units(ROLE / "tasks/discovery.yml", FILTERS, k31_dynamo_etc_dir="/etc/k31", **context)[name]
 
 
 def test_etcd_unit_is_the_one_before_the_move():

@@ -176,7 +176,7 @@ def template_context(plan: dict, env: dict[str, str], runtime: str = "container"
     rank = {**server["ranks"][0], "env": env}
     host_env = [{"content": base64.b64encode(b"MC_GID_INDEX=3\nSGLANG_HOST_IP=10.0.0.1\n").decode()}]
     return {
-        "item": {"server": server, "rank": rank}, "_k31_engine_host_env": {"results": host_env},
+        "k31_unit_context": {"server": server, "rank": rank}, "_k31_engine_host_env": {"results": host_env},
         "k31_engine_extra_env": {}, "k31_engine_hf_token": "", "k31_engine_runtime": runtime,
         "k31_engine_etc_dir": "/etc/k31", "k31_engine_standin_load_seconds": 1, "k31_engine_standin_model_dir": "/m",
         "_k31_dynamo_plan": {"env": env}, "k31_dynamo_runtime": runtime, "k31_dynamo_state_dir": "/var/lib/k31/dynamo",
@@ -243,7 +243,8 @@ def test_the_engine_script_echoes_no_command_into_a_comment(tmp_path):
     server = plan["servers"][0]
     rank = dict(server["ranks"][0])
     rank["argv"] = [*rank["argv"], "--served-model-name", f"m\ntouch {pwned}\n"]    # as if past validation
-    script = render(ROOT / "roles/k31_engine/templates/engine.sh.j2", item={"server": server, "rank": rank},
+    script = render(ROOT / "roles/k31_engine/templates/engine.sh.j2",
+                    k31_unit_context={"server": server, "rank": rank},
                     _k31_plan=plan, k31_engine_runtime="container",
                     k31_engine_etc_dir="/etc/k31", k31_engine_container_cli="docker", k31_engine_venv="/opt/k31/venv",
                     _k31_engine_container_extra_flags=[], k31_engine_pinned_image="")
