@@ -3,12 +3,13 @@
 document; the controller appends a line calling cli() with what to probe on every host). k31_engine,
 k31_redeploy and k31_router install it as /usr/local/lib/k31/k31_probe.py: the engines' health gate and the PD
 watcher import its HTTP and systemd calls (request(), health(), unit_props(), drain(), rejoin(), idle()), and a
-redeploy step runs it with `--call ACTION` on the router host (drain, rejoin) and the engine host (idle, stop,
-start, restore).
+redeploy step runs it with `--call ACTION` on the router host (drain, rejoin), the engine host (idle, stop,
+start, restore) and the lock host (lock: take, renew, release).
 
 Standard library only and Python 3.8-compatible: hosts have nothing of k31 but what the roles put there.
 """
 
+import fcntl
 import json
 import os
 import re
@@ -279,12 +280,52 @@ def step(action, spec):
     return systemctl("daemon-reload") or systemctl("restart", *units)
 
 
+def lock(spec, path=None, wait=10.0):
+    """k31 redeploy's lock on this host (k31deploy/oncall/recover.py says why), under flock so two runs never
+    interleave: spec {"op": "take", "expect", "new"} writes `new` only if the lock still reads `expect` (what the
+    controller judged free or stale); {"op": "renew", "id", "new"} and {"op": "release", "id"} act only on a lock
+    whose record carries this run's id. "" when done, else why not."""
+    path = path or REDEPLOY_LOCK
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".flock", "a") as guard:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    return f"{path} stayed locked for {wait:g} s"
+                time.sleep(0.1)
+        try:
+            with open(path) as f:
+                current = f.read().rstrip("\n")
+        except FileNotFoundError:
+            current = ""
+        op = spec["op"]
+        if op == "take" and current != spec.get("expect", ""):
+            return "another run took the redeploy lock meanwhile: " + current
+        if op in ("renew", "release") and '"id": ' + json.dumps(spec["id"]) not in current:
+            return "the redeploy lock is no longer this run's: " + (current or "none")
+        if op == "release":
+            os.remove(path)
+            return ""
+        tmp = path + ".tmp"
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as out:
+            out.write(spec["new"] + "\n")
+        os.replace(tmp, path)
+        return ""
+
+
 def call_cli(action, spec):
     """One step of k31 redeploy run on a host, its spec on stdin (it may hold the keys): drain or rejoin on the
     router host, which asks its own router (public_tls: the site's certificate, not checked here) -- {"router",
     "key", "timeout", "worker_url" | "worker"}; idle on the engine host -- {"load_url", "key", "timeout",
     "interval", "not_before": the epoch before which requests routed just before the drain may still arrive};
-    stop, start or restore on an engine host (step()). Prints {"ok", "reason", "at"}; exit 1 when not ok."""
+    stop, start or restore on an engine host (step()); lock on the lock host (lock()). Prints {"ok", "reason",
+    "at"}; exit 1 when not ok."""
     headers = {"Authorization": "Bearer " + spec["key"]} if spec.get("key") else {}
     context = None
     if spec.get("router", "").startswith("https:"):
@@ -299,6 +340,8 @@ def call_cli(action, spec):
     timeout = float(spec.get("timeout", 30))
     if action in ("stop", "start", "restore"):
         reason = step(action, spec)
+    elif action == "lock":
+        reason = lock(spec)
     elif action == "drain":
         reason = drain(call, spec["router"], spec["worker_url"], timeout)
     elif action == "rejoin":
@@ -419,7 +462,7 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-CALLS = ("drain", "rejoin", "idle", "stop", "start", "restore")
+CALLS = ("drain", "rejoin", "idle", "stop", "start", "restore", "lock")
 
 
 # k31_redeploy runs the installed file (argv: --call CALL, the spec on stdin), and its repair ships this

@@ -13,7 +13,7 @@ import pytest
 from k31deploy.commands import ops
 from k31deploy.commands import status as status_cmd
 from k31deploy.errors import K31Error
-from k31deploy.oncall import gather, recover
+from k31deploy.oncall import gather, probe, recover
 from k31deploy.recipe import resolve
 from k31deploy.recipe.hosts import from_mapping
 
@@ -235,30 +235,56 @@ def test_the_lock_lives_on_the_router_host_else_the_first_server():
     assert recover.lock_host(single) == "u0"
 
 
-LOCK_SCRIPT = Path(__file__).resolve().parents[2] / "roles/k31_redeploy/files/k31-redeploy-lock.sh"
+def test_the_lock_takes_only_what_was_judged_and_touches_only_its_own(tmp_path):
+    """The host-side client's lock (probe.lock, `k31_probe.py --call lock` on the lock host)."""
+    path = str(tmp_path / "run/redeploy.lock")
+    lock = Path(path)
 
+    def call(**spec):
+        return probe.lock(spec, path)
 
-def lock_script(tmp_path, action, **env):
-    return subprocess.run(["sh", str(LOCK_SCRIPT), action], capture_output=True, text=True,
-                          env={**os.environ, "K31_LOCK_FILE": str(tmp_path / "run/redeploy.lock"), **env})
-
-
-def test_the_lock_script_takes_only_what_was_judged_and_touches_only_its_own(tmp_path):
-    lock = tmp_path / "run/redeploy.lock"
     mine, theirs = recover.lock_text(owner(id="aa11")), recover.lock_text(owner(id="bb22"))
-    assert lock_script(tmp_path, "take", K31_LOCK_EXPECT="", K31_LOCK_NEW=mine).returncode == 0
-    assert lock.read_text() == mine + "\n"
+    assert call(op="take", expect="", new=mine) == ""
+    assert lock.read_text() == mine + "\n" and lock.stat().st_mode & 0o777 == 0o644
+    # What the controller reads back (cat, its newline stripped) is what it judged; the verdict reads the record.
+    assert recover.lock_verdict(lock.read_text().rstrip("\n"), "r0", owner(id="aa11"))["state"] == "ours"
     # A second run that judged the lock free meanwhile loses: the record is no longer what it read.
-    lost = lock_script(tmp_path, "take", K31_LOCK_EXPECT="", K31_LOCK_NEW=theirs)
-    assert lost.returncode == 3 and "another run took the redeploy lock meanwhile" in lost.stdout
-    assert lock_script(tmp_path, "renew", K31_LOCK_ID="bb22", K31_LOCK_NEW=theirs).returncode == 3
+    assert call(op="take", expect="", new=theirs) == "another run took the redeploy lock meanwhile: " + mine
+    assert call(op="renew", id="bb22", new=theirs) == "the redeploy lock is no longer this run's: " + mine
+    # an id that only starts like this run's is not this run's
+    assert call(op="release", id="aa1").startswith("the redeploy lock is no longer this run's")
     renewed = recover.lock_text(owner(id="aa11", expires=NOW + 5000))
-    assert lock_script(tmp_path, "renew", K31_LOCK_ID="aa11", K31_LOCK_NEW=renewed).returncode == 0
+    assert call(op="renew", id="aa11", new=renewed) == ""
     assert lock.read_text() == renewed + "\n"
     # Taking over a stale lock: expect exactly its record.
-    assert lock_script(tmp_path, "release", K31_LOCK_ID="bb22").returncode == 3 and lock.exists()
-    assert lock_script(tmp_path, "take", K31_LOCK_EXPECT=renewed, K31_LOCK_NEW=theirs).returncode == 0
-    assert lock_script(tmp_path, "release", K31_LOCK_ID="bb22").returncode == 0 and not lock.exists()
+    assert call(op="release", id="bb22") != "" and lock.exists()
+    assert call(op="take", expect=renewed, new=theirs) == ""
+    assert call(op="release", id="bb22") == "" and not lock.exists()
+    assert call(op="release", id="bb22") == "the redeploy lock is no longer this run's: none"
+    assert not list(tmp_path.glob("run/*.tmp"))
+
+
+def test_the_lock_waits_for_a_run_inside_it_and_says_so_when_it_does_not_end(tmp_path):
+    import fcntl
+    path = str(tmp_path / "redeploy.lock")
+    with open(path + ".flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert probe.lock({"op": "take", "expect": "", "new": "{}"}, path, wait=0.3) == \
+            f"{path} stayed locked for 0.3 s"
+    assert probe.lock({"op": "take", "expect": "", "new": "{}"}, path, wait=0.3) == ""
+
+
+def test_the_lock_call_as_the_redeploy_runs_it(tmp_path, monkeypatch, capsys):
+    """`k31_probe.py --call lock` (a call the client takes), the spec on stdin: it prints {"ok", "reason", "at"}
+    and exits 1 when not ok."""
+    assert "lock" in probe.CALLS
+    monkeypatch.setattr(probe, "REDEPLOY_LOCK", str(tmp_path / "redeploy.lock"))
+    assert probe.call_cli("lock", {"op": "take", "expect": "", "new": recover.lock_text(owner(id="aa11"))}) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert probe.call_cli("lock", {"op": "release", "id": "zz99"}) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["ok"] is False and answer["reason"].startswith("the redeploy lock is no longer this run's")
+    assert (tmp_path / "redeploy.lock").exists()
 
 
 # -- k31 status -------------------------------------------------------------------------------------------
