@@ -19,9 +19,9 @@ ENGINE_UNITS = ROOT / "roles/k31_engine/tasks/units.yml"
 PLAN = resolve({"platform": "mi355x", "topology": "pd", "agents": 92})    # prefill0 on node0, decode0 on node1
 
 # What roles/k31_engine/templates/engine.service.j2 rendered for k31-prefill0-r0 before the engine's units moved to
-# k31_unit's service template.
-BEFORE = {
-    ("container", False): """\
+# k31_unit's service template: in a docker container, and in a venv behind Dynamo (no container lines; a Dynamo
+# worker's stop is the drain's 630 s).
+CONTAINER = """\
 # Ansible managed
 [Unit]
 Description=k31 prefill server prefill0 rank 0
@@ -44,27 +44,12 @@ LimitMEMLOCK=infinity
 LimitNOFILE=1048576
 
 [Install]
-WantedBy=multi-user.target""",
-    ("venv", True): """\
-# Ansible managed
-[Unit]
-Description=k31 prefill server prefill0 rank 0
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-Type=simple
-EnvironmentFile=/etc/k31/k31-prefill0-r0.env
-ExecStart=/etc/k31/k31-prefill0-r0.sh
-ExecStartPost=-/usr/local/lib/k31/k31-unit-started k31-prefill0-r0 prefill0 prefill 0
-Restart=on-failure
-RestartSec=5
-TimeoutStopSec=630
-LimitMEMLOCK=infinity
-LimitNOFILE=1048576
-
-[Install]
-WantedBy=multi-user.target""",
+WantedBy=multi-user.target"""
+CONTAINER_LINES = CONTAINER.splitlines()[11:15]
+BEFORE = {
+    ("container", False): CONTAINER,
+    ("venv", True): "\n".join(line for line in CONTAINER.splitlines() if line not in CONTAINER_LINES)
+                    .replace("TimeoutStopSec=60", "TimeoutStopSec=630"),
 }
 
 
