@@ -92,6 +92,11 @@ def k31_image_archive_id(tarball: str, image: str) -> str:
         raise AnsibleFilterError(f"error: {exc}") from None
 
 
+def k31_over_ssh(connection: str | None) -> bool:
+    """Whether the controller's image archive goes to a host with this ansible_connection by rsync over SSH."""
+    return imagearchive.copies_over_ssh(connection)
+
+
 def k31_image_archive_sha256(tarball: str) -> str:
     """The sha256 of the controller's archive (64 hex; k31_image_fanout=tree checks each host's copy against it):
     hashed once, then remembered per path, size and mtime in the state directory (image-archives.json)."""
@@ -267,4 +272,5 @@ class FilterModule:
                 "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
                 "k31_platform_family": k31_platform_family,
                 "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,
-                "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds}
+                "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds,
+                "k31_over_ssh": k31_over_ssh}

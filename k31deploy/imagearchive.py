@@ -25,6 +25,15 @@ from pathlib import Path
 from k31deploy.errors import K31Error
 
 HEX = re.compile(r"^[0-9a-f]{64}$")
+# How Ansible reaches a host that the controller's archive goes to by rsync over the host's SSH settings
+# (roles/k31_image/tasks/from_controller.yml; '' is unset, Ansible's default ssh). A host reached another way
+# (local, a container connection) takes ansible.builtin.copy, and needs no rsync on the controller.
+SSH_CONNECTIONS = ("", "ssh", "smart")
+
+
+def copies_over_ssh(connection: str | None) -> bool:
+    """Whether the controller's archive goes to a host with this ansible_connection by rsync over SSH."""
+    return (connection or "") in SSH_CONNECTIONS
 
 
 @dataclass(frozen=True)

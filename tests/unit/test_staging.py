@@ -227,8 +227,20 @@ def test_the_archive_schedule_refuses_strangers_and_its_filter_says_so():
     with pytest.raises(AnsibleFilterError, match=r"^error: hosts y are said"):
         K31_FILTERS["k31_image_rounds"](hosts(2), [], ["y"])
     assert K31_FILTERS["k31_image_rounds"](hosts(3), hosts(3), []) == from_controller(hosts(3), hosts(3), [])
-    for name in ("k31_image_rounds", "k31_image_archive_sha256"):
+    for name in ("k31_image_rounds", "k31_image_archive_sha256", "k31_over_ssh"):
         assert (ROOT / "filter_plugins" / f"{name}.yml").is_file(), name
+
+
+def test_one_rule_says_which_hosts_the_controllers_archive_reaches_by_rsync():
+    """The copy (roles/k31_image) and the controller's rsync check (k31_validate) read the same list."""
+    over_ssh = K31_FILTERS["k31_over_ssh"]
+    assert [over_ssh(c) for c in ("", None, "ssh", "smart")] == [True] * 4
+    assert [over_ssh(c) for c in ("local", "podman", "community.docker.docker", "paramiko_ssh")] == [False] * 4
+    copy = (ROOT / "roles/k31_image/tasks/from_controller.yml").read_text()
+    assert "_k31_image_over_ssh: \"{{ _k31_image_conn.ansible_connection | default('') | k31_over_ssh }}\"" in copy
+    check = (ROOT / "roles/k31_validate/filter_plugins/k31_validate.py").read_text()
+    assert "imagearchive.copies_over_ssh(host.text(\"ansible_connection\"))" in check
+    assert "'smart'" not in copy and '"smart"' not in check
 
 
 def test_the_archive_sha256_filter_remembers_the_digest_in_the_state_dir(tmp_path, monkeypatch):

@@ -231,10 +231,6 @@ def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[
                              host.text("k31_router_runtime"), host.text("k31_dynamo_runtime")))]
 
 
-# How Ansible reaches a host that roles/k31_image/tasks/from_controller.yml copies to with rsync ('' is unset: ssh).
-SSH_CONNECTIONS = ("", "ssh", "smart")
-
-
 def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host],
                 problems: Problems) -> None:
     image = plan.get("image")
@@ -274,7 +270,7 @@ def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[
                             archives[tarball] = str(exc)
                     if archives[tarball]:
                         problems.add(f"{archives[tarball]} (for {{hosts}})", host.name)
-                    elif host.text("ansible_connection") in SSH_CONNECTIONS and shutil.which("rsync") is None:
+                    elif imagearchive.copies_over_ssh(host.text("ansible_connection")) and not shutil.which("rsync"):
                         problems.add(f"k31_image_tarball={tarball} goes to {{hosts}} by rsync from the controller "
                                      "(an interrupted copy resumes), and this controller has no rsync; install it "
                                      "(apt install rsync), or set k31_image_tarball_on_host=true where each host "
