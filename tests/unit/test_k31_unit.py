@@ -54,10 +54,15 @@ BEFORE = {
 
 
 def engine_context(host: str, runtime: str = "container", dynamo: bool = False, stage: str = "") -> dict:
+    """The engine include's variables, its stop timeout worked out by k31_engine's own "Look up this host's ranks"."""
+    (lookup,) = [t for t in yaml.safe_load((ROOT / "roles/k31_engine/tasks/main.yml").read_text())
+                 if t["name"] == "Look up this host's ranks in the plan"]
+    scope = {"_k31_engine_behind_dynamo": dynamo, "k31_engine_stop_timeout": 60, "k31_engine_dynamo_stop_timeout": 630}
+    stop = int(native(lookup["ansible.builtin.set_fact"]["_k31_engine_stop_timeout"].strip(), scope, {}))
     return {"_k31_engine_ranks": launch.host_ranks(PLAN, host), "_k31_engine_dynamo": dynamo,
-            "k31_engine_runtime": runtime, "k31_engine_container_cli": "docker", "k31_engine_etc_dir": "/etc/k31",
-            "k31_engine_stop_timeout": 60, "k31_engine_dynamo_stop_timeout": 630, "k31_engine_stage_dir": stage,
-            "k31_engine_hf_token": "", "k31_engine_nats_token": ""}
+            "_k31_engine_stop_timeout": stop, "k31_engine_runtime": runtime, "k31_engine_container_cli": "docker",
+            "k31_engine_etc_dir": "/etc/k31", "k31_engine_stage_dir": stage, "k31_engine_hf_token": "",
+            "k31_engine_nats_token": ""}
 
 
 @pytest.mark.parametrize(("runtime", "dynamo"), list(BEFORE))
