@@ -5,6 +5,7 @@ Asserted: the first deploy records a stamp on every host (0600); the next one ta
 beyond the stamp read, smoke still passes, changed=0) and is several times faster; a hand edit on one host and a
 stopped unit on another make the next deploy whole (run under `--mitogen`), name both hosts, and repair both;
 `--check` on a settled fleet predicts nothing; `k31 deploy --full` runs every play anyway and changes nothing.
+A host certificate reissued by a run that stopped before the router's play restarts the router at the next deploy.
 
 Needs root, podman, runc and debootstrap.
 """
@@ -16,7 +17,7 @@ import os
 
 import pytest
 from recaps import changed, recap
-from sandbox_cli import SHORT, SMOKE, cli_env, node_sh, sandbox_up
+from sandbox_cli import SHORT, SMOKE, cli_env, node_sh, playbook, sandbox_up, unit_state
 from sandbox_cli import deploy as sandbox_deploy
 
 pytestmark = pytest.mark.integration
@@ -75,3 +76,29 @@ def test_a_deploy_that_would_change_nothing_skips_the_host_plays_and_drift_makes
     out = deploy(env, inventory, "--full")[0]
     assert SHORT not in out and "k31_stamp_check is false" in out and ENGINE_GATE in out
     assert set(HOSTS) <= set(changed(out)) and not any(changed(out).values()), changed(out)
+
+
+def test_a_certificate_reissued_by_a_run_that_stopped_early_restarts_the_router_at_the_next_deploy(cluster):
+    """k31_pki issues the host certificate in the prepare play; the router serves with it from a later play. A run
+    that stops in between (here: only k31_pki's tasks run, as a Ctrl-C there leaves the hosts) must not leave the
+    router on the old certificate: the next deploy restarts it, and the one after restarts nothing."""
+    env, inventory = cluster
+    cert = "/etc/k31/pki/host.crt"
+    node_sh(NAME, "router0", f"rm {cert}")
+    before = unit_state(NAME, "router0", "k31-router")
+    proc = playbook(env, inventory, "deploy.yml", "--tags", "k31_pki")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "router0: host certificate issued" in proc.stdout
+    assert unit_state(NAME, "router0", "k31-router")["started"] == before["started"]
+
+    out = deploy(env, inventory)[0]
+    assert SHORT not in out and SMOKE in out
+    after = unit_state(NAME, "router0", "k31-router")
+    assert after["active"] == "active" and after["started"] > before["started"], (before, after)
+    digest = node_sh(NAME, "router0", f"sha256sum {cert}").split()[0]
+    assert f"# Serves with (a change restarts it): {digest}  {cert}" in node_sh(
+        NAME, "router0", "cat /etc/systemd/system/k31-router.service")
+
+    out = deploy(env, inventory)[0]
+    assert SHORT in out
+    assert unit_state(NAME, "router0", "k31-router")["started"] == after["started"]

@@ -5,10 +5,13 @@ writes below the stage root."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible.plugins.filter.core import FilterModule as CoreFilters
+from ansible.plugins.filter.mathstuff import FilterModule as MathFilters
 from unit_render import native, render_units, unit_include
 
 from k31deploy import launch
@@ -16,6 +19,7 @@ from k31deploy.recipe import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_UNITS = ROOT / "roles/k31_engine/tasks/units.yml"
+UNIT_TASKS = ROOT / "roles/k31_unit/tasks/main.yml"
 PLAN = resolve({"platform": "mi355x", "topology": "pd", "agents": 92})    # prefill0 on node0, decode0 on node1
 
 # What roles/k31_engine/templates/engine.service.j2 rendered for k31-prefill0-r0 before the engine's units moved to
@@ -71,6 +75,11 @@ def test_an_engine_ranks_unit_is_the_one_before_the_move(runtime, dynamo):
     assert units == {"k31-prefill0-r0": BEFORE[(runtime, dynamo)]}
 
 
+def _unit_task(name: str) -> dict:
+    (task,) = [t for t in yaml.safe_load(UNIT_TASKS.read_text()) if t["name"] == name]
+    return task
+
+
 def _settings(host: str, key: str, stage: str = "") -> list:
     task_vars = unit_include(ENGINE_UNITS)["vars"]
     scope = {**engine_context(host, stage=stage), **{k: v for k, v in task_vars.items() if k.startswith("_")}}
@@ -80,8 +89,7 @@ def _settings(host: str, key: str, stage: str = "") -> list:
 def test_decode_ranks_start_first_and_the_others_after():
     assert _settings("node1", "k31_unit_first") == [True]
     assert _settings("node0", "k31_unit_first") == [False]
-    main = yaml.safe_load((ROOT / "roles/k31_unit/tasks/main.yml").read_text())
-    starts = [t for t in main[1]["block"][-1]["block"]]
+    starts = _unit_task("Write the units' files and unit files, then start them")["block"][-1]["block"]
     assert [t["loop"] for t in starts] == ["{{ _k31_unit_list | selectattr('first') | list }}",
                                            "{{ _k31_unit_list | rejectattr('first') | list }}"]
 
@@ -94,3 +102,96 @@ def test_a_staged_render_writes_below_the_stage_root_and_the_unit_still_names_th
     assert all(d.startswith("/var/lib/k31/redeploy-next/") for d in dests)
     units = render_units(ENGINE_UNITS, **engine_context("node0", stage="/var/lib/k31/redeploy-next"))
     assert "ExecStart=/etc/k31/k31-prefill0-r0.sh\n" in units["k31-prefill0-r0"]
+
+
+# --- A file another role writes (the host certificate) restarts the units that serve with it -------------------
+
+PKI = {"ca": "/etc/k31/pki/ca.crt", "cert": "/etc/k31/pki/host.crt", "key": "/etc/k31/pki/host.key"}
+PUBLIC = {"cert": "/etc/k31/tls/public.crt", "key": "/etc/k31/tls/public.key", "ca": "/etc/k31/tls/ca.crt"}
+
+
+@pytest.mark.parametrize(("tasks_file", "scope"), [
+    ("roles/k31_router/tasks/main.yml", {"_k31_plan": {"pki": PKI}, "_k31_router_plan": {"tls": None}}),
+    ("roles/k31_dynamo/tasks/main.yml", {"_k31_dynamo_pki": PKI, "_k31_dynamo_plan": {"tls": None}}),
+    ("roles/k31_dynamo/tasks/discovery.yml", {"_k31_dynamo_pki": PKI}),
+])
+def test_the_control_planes_watch_the_cluster_ca_and_their_certificate_and_the_sites_with_public_tls(tasks_file,
+                                                                                                    scope):
+    watch = unit_include(ROOT / tasks_file)["vars"]["k31_unit_watch"]
+    assert native(watch, scope, {}) == [PKI["ca"], PKI["cert"]]
+    if "_k31_dynamo_pki" not in scope or "_k31_dynamo_plan" in scope:
+        plan_key = "_k31_router_plan" if "router" in tasks_file else "_k31_dynamo_plan"
+        assert native(watch, {**scope, plan_key: {"tls": PUBLIC}}, {}) == [PKI["ca"], PKI["cert"], PUBLIC["cert"]]
+
+
+def test_a_watched_files_digest_is_in_the_unit_so_a_new_certificate_rewrites_and_restarts_it():
+    router = ROOT / "roles/k31_router/tasks/main.yml"
+    context = {"_k31_router_plan": {"unit": "k31-router", "tls": None}, "_k31_plan": {"pki": PKI},
+               "k31_router_etc_dir": "/etc/k31", "k31_router_runtime": "venv", "k31_router_container_cli": "podman",
+               "k31_router_api_key": "", "k31_router_control_plane_key": "", "k31_router_secret_exec": "x"}
+    old = render_units(router, watched=(f"{'a' * 64}  {PKI['cert']}",), **context)["k31-router"]
+    new = render_units(router, watched=(f"{'b' * 64}  {PKI['cert']}",), **context)["k31-router"]
+    assert f"# Serves with (a change restarts it): {'a' * 64}  {PKI['cert']}\n" in old
+    assert old != new
+    # k31_unit restarts a unit whose unit file changed, and reads the digests without changing the host, also
+    # under --check; a file not there yet is left out of the list rather than failing the deploy.
+    read = _unit_task("Read the digests of the files the units serve with")
+    assert read["ansible.builtin.command"]["argv"] == "{{ ['sha256sum', '--'] + k31_unit_watch }}"
+    assert (read["changed_when"], read["failed_when"], read["check_mode"]) == (False, False, False)
+    worked_out = _unit_task("Work out each unit's name, files and directives")
+    assert worked_out["ansible.builtin.set_fact"]["_k31_unit_one"]["unit"]["watch"] == (
+        "{{ _k31_unit_watched.stdout_lines | default([]) }}")
+    start = _unit_task("Write the units' files and unit files, then start them")["block"][-1]
+    assert "_k31_unit_unitfiles.results | selectattr('changed')" in start["vars"]["_k31_unit_changed"]
+
+
+def test_no_role_reads_another_roles_internal_facts():
+    """A role's `_k31_<role>_` facts are its own: the others read the plan and the shared facts of roles/k31 (its
+    vars), and what k31_unit's journal hands back. (A fact set in an earlier play and read by a later role is lost
+    when a run stops between them: the host certificate's restart was.)"""
+    shared = {name for name in yaml.safe_load((ROOT / "roles/k31/vars/main.yml").read_text())}
+    handed_back = {"_k31_unit_journal_text"}
+    strays = []
+    for role in sorted(p for p in (ROOT / "roles").iterdir() if p.is_dir()):
+        own = "_" + role.name
+        for path in sorted(f for f in role.rglob("*") if f.is_file() and f.suffix in {".yml", ".j2"}):
+            for name in set(re.findall(r"\b_k31_[a-z0-9_]+", path.read_text(encoding="utf-8"))):
+                if name != own and not name.startswith(own + "_") and name not in shared | handed_back:
+                    strays.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not strays, strays
+
+
+def test_no_loop_item_of_a_task_that_logs_carries_a_secret_file():
+    """-v and the run records print every loop item of a task without no_log: a secret file's content may be
+    only in the loop items of its own no_log tasks, never in its unit's or a sibling file's (the PD watcher's
+    config holds the API keys beside its scripts)."""
+    # Ansible's own filters Jinja lacks (its versions of Jinja's builtins need its templar)
+    ansible_filters = {**CoreFilters().filters(), **MathFilters().filters()}
+    filters = {name: ansible_filters[name] for name in ("bool", "combine", "dirname", "flatten")}
+    secret = "k31-test-secret-4c1d"
+    include = {"k31_unit_name": "k31-watch", "k31_unit_service": {"Description": "d", "ExecStart": "/x"},
+               "k31_unit_stage_dir": "", "k31_unit_first": False, "k31_unit_restart": False, "k31_unit_watch": [],
+               "k31_unit_files": [{"dest": "/etc/k31/watch.json", "content": secret, "mode": "0600", "secret": True},
+                                  {"dest": "/etc/k31/watch.py", "src": "watch.py", "mode": "0755"},
+                                  {"dest": "/etc/k31/watch.sh", "template": "watch.sh.j2", "mode": "0755"}]}
+    worked_out = _unit_task("Work out each unit's name, files and directives")
+    assert native(worked_out["no_log"].strip(), include, filters) is True
+    results = []
+    for context in [{}, {"rank": 1}]:
+        scope = {**include, "k31_unit_context": context, "_k31_unit_watched": {}}
+        results.append({"ansible_facts": {"_k31_unit_one": native(worked_out["ansible.builtin.set_fact"]
+                                                                   ["_k31_unit_one"], scope, filters)}})
+    block = _unit_task("Write the units' files and unit files, then start them")
+    scope = {**include, "_k31_unit_worked_out": {"results": results}}
+    scope |= {k: native(v.strip(), scope, filters) for k, v in block["vars"].items()}
+    tasks = [t for t in block["block"] if "loop" in t]
+    tasks += [t for t in block["block"][-1].get("block", []) if "loop" in t]
+    logged = 0
+    for task in tasks:
+        loop_var = task.get("loop_control", {}).get("loop_var", "item")
+        for item in native(task["loop"].strip(), scope, filters):
+            hidden = native(str(task.get("no_log", False)), {**scope, loop_var: item}, filters)
+            if hidden not in (True, "True"):
+                logged += 1
+                assert secret not in repr(item), (task["name"], item)
+    assert logged >= 5      # the directories, the two other files (twice), the units: the check looked at them

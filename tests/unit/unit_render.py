@@ -33,8 +33,10 @@ def native(value: Any, context: dict[str, Any], filters: dict[str, Any]) -> Any:
     return env.from_string(value).render(**context)
 
 
-def render_units(tasks_file: Path, filters: dict[str, Any] | None = None, **context: Any) -> dict[str, str]:
-    """{unit name: the unit file's text} for every unit the include in `tasks_file` writes."""
+def render_units(tasks_file: Path, filters: dict[str, Any] | None = None, watched: tuple[str, ...] = (),
+                 **context: Any) -> dict[str, str]:
+    """{unit name: the unit file's text} for every unit the include in `tasks_file` writes; `watched` is what
+    k31_unit's digest read printed for the include's k31_unit_watch (sha256sum's lines)."""
     filters = filters or {}
     task_vars = unit_include(tasks_file)["vars"]
     scope = {**context, **{k: v for k, v in task_vars.items() if k.startswith("_")}}
@@ -48,5 +50,6 @@ def render_units(tasks_file: Path, filters: dict[str, Any] | None = None, **cont
         name = native(task_vars["k31_unit_name"], here, filters)
         service = native(task_vars["k31_unit_service"], here, filters)
         out[name] = env.from_string(text).render(ansible_managed="Ansible managed",
-                                                 _k31_unit={"name": name, "service": service})
+                                                 _k31_unit={"name": name, "service": service,
+                                                            "watch": list(watched)})
     return out
