@@ -122,6 +122,9 @@ def test_the_control_planes_watch_the_cluster_ca_and_their_certificate_and_the_s
     if "_k31_dynamo_pki" not in scope or "_k31_dynamo_plan" in scope:
         plan_key = "_k31_router_plan" if "router" in tasks_file else "_k31_dynamo_plan"
         assert native(watch, {**scope, plan_key: {"tls": PUBLIC}}, {}) == [PKI["ca"], PKI["cert"], PUBLIC["cert"]]
+    if "router" in tasks_file:      # an SGLang router without monitoring: the plan has no cluster CA (pki: null)
+        assert native(watch, {**scope, "_k31_plan": {"pki": None}}, {}) == []
+        assert native(watch, {"_k31_plan": {"pki": None}, "_k31_router_plan": {"tls": PUBLIC}}, {}) == [PUBLIC["cert"]]
 
 
 def test_a_watched_files_digest_is_in_the_unit_so_a_new_certificate_rewrites_and_restarts_it():
