@@ -110,25 +110,27 @@ PKI = {"ca": "/etc/k31/pki/ca.crt", "cert": "/etc/k31/pki/host.crt", "key": "/et
 PUBLIC = {"cert": "/etc/k31/tls/public.crt", "key": "/etc/k31/tls/public.key", "ca": "/etc/k31/tls/ca.crt"}
 
 
-@pytest.mark.parametrize(("tasks_file", "scope"), [
-    ("roles/k31_router/tasks/main.yml", {"_k31_plan": {"pki": PKI}, "_k31_router_plan": {"tls": None}}),
-    ("roles/k31_dynamo/tasks/main.yml", {"_k31_dynamo_pki": PKI, "_k31_dynamo_plan": {"tls": None}}),
-    ("roles/k31_dynamo/tasks/discovery.yml", {"_k31_dynamo_pki": PKI}),
+ROUTER, FRONTEND = "roles/k31_router/tasks/main.yml", "roles/k31_dynamo/tasks/main.yml"
+CA_AND_HOST = [PKI["ca"], PKI["cert"]]
+
+
+@pytest.mark.parametrize(("tasks_file", "scope", "watched"), [
+    (ROUTER, {"_k31_plan": {"pki": PKI}, "_k31_router_plan": {"tls": None}}, CA_AND_HOST),
+    (ROUTER, {"_k31_plan": {"pki": PKI}, "_k31_router_plan": {"tls": PUBLIC}}, [*CA_AND_HOST, PUBLIC["cert"]]),
+    # an SGLang router without monitoring: the plan has no cluster CA (pki: null)
+    (ROUTER, {"_k31_plan": {"pki": None}, "_k31_router_plan": {"tls": None}}, []),
+    (ROUTER, {"_k31_plan": {"pki": None}, "_k31_router_plan": {"tls": PUBLIC}}, [PUBLIC["cert"]]),
+    (FRONTEND, {"_k31_dynamo_pki": PKI, "_k31_dynamo_plan": {"tls": None}}, CA_AND_HOST),
+    (FRONTEND, {"_k31_dynamo_pki": PKI, "_k31_dynamo_plan": {"tls": PUBLIC}}, [*CA_AND_HOST, PUBLIC["cert"]]),
+    ("roles/k31_dynamo/tasks/discovery.yml", {"_k31_dynamo_pki": PKI}, CA_AND_HOST),
 ])
-def test_the_control_planes_watch_the_cluster_ca_and_their_certificate_and_the_sites_with_public_tls(tasks_file,
-                                                                                                    scope):
-    watch = unit_include(ROOT / tasks_file)["vars"]["k31_unit_watch"]
-    assert native(watch, scope, {}) == [PKI["ca"], PKI["cert"]]
-    if "_k31_dynamo_pki" not in scope or "_k31_dynamo_plan" in scope:
-        plan_key = "_k31_router_plan" if "router" in tasks_file else "_k31_dynamo_plan"
-        assert native(watch, {**scope, plan_key: {"tls": PUBLIC}}, {}) == [PKI["ca"], PKI["cert"], PUBLIC["cert"]]
-    if "router" in tasks_file:      # an SGLang router without monitoring: the plan has no cluster CA (pki: null)
-        assert native(watch, {**scope, "_k31_plan": {"pki": None}}, {}) == []
-        assert native(watch, {"_k31_plan": {"pki": None}, "_k31_router_plan": {"tls": PUBLIC}}, {}) == [PUBLIC["cert"]]
+def test_the_control_planes_watch_the_cluster_ca_and_their_certificate_and_the_sites_with_public_tls(
+        tasks_file, scope, watched):
+    assert native(unit_include(ROOT / tasks_file)["vars"]["k31_unit_watch"], scope, {}) == watched
 
 
 def test_a_watched_files_digest_is_in_the_unit_so_a_new_certificate_rewrites_and_restarts_it():
-    router = ROOT / "roles/k31_router/tasks/main.yml"
+    router = ROOT / ROUTER
     context = {"_k31_router_plan": {"unit": "k31-router", "tls": None}, "_k31_plan": {"pki": PKI},
                "k31_router_etc_dir": "/etc/k31", "k31_router_runtime": "venv", "k31_router_container_cli": "podman",
                "k31_router_api_key": "", "k31_router_control_plane_key": "", "k31_router_secret_exec": "x"}
