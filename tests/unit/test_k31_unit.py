@@ -146,8 +146,6 @@ def test_a_watched_files_digest_is_in_the_unit_so_a_new_certificate_rewrites_and
     worked_out = _unit_task("Work out each unit's name, files and directives")
     assert worked_out["ansible.builtin.set_fact"]["_k31_unit_one"]["unit"]["watch"] == (
         "{{ _k31_unit_watched.stdout_lines | default([]) }}")
-    start = _unit_task("Write the units' files and unit files, then start them")["block"][-1]
-    assert "_k31_unit_unitfiles.results | selectattr('changed')" in start["vars"]["_k31_unit_changed"]
 
 
 def test_no_role_reads_another_roles_internal_facts():
@@ -166,37 +164,113 @@ def test_no_role_reads_another_roles_internal_facts():
     assert not strays, strays
 
 
-def test_no_loop_item_of_a_task_that_logs_carries_a_secret_file():
-    """-v and the run records print every loop item of a task without no_log: a secret file's content may be
-    only in the loop items of its own no_log tasks, never in its unit's or a sibling file's (the PD watcher's
-    config holds the API keys beside its scripts)."""
+# --- One module run writes a host's files; a changed file restarts its unit; no secret in what is logged -----------
+
+SECRET = "k31-test-secret-4c1d"
+INCLUDE = {"k31_unit_name": "k31-watch", "k31_unit_service": {"Description": "d", "ExecStart": "/x"},
+           "k31_unit_stage_dir": "", "k31_unit_first": False, "k31_unit_restart": False, "k31_unit_watch": [],
+           "k31_unit_files": [{"dest": "/etc/k31/watch.json", "content": SECRET, "mode": "0600", "secret": True},
+                              {"dest": "/etc/k31/watch.py", "src": "watch.py", "mode": "0755"},
+                              {"dest": "/etc/k31/watch.sh", "template": "watch.sh.j2", "mode": "0755",
+                               "validate": "sh -n %s"},
+                              {"dest": "", "template": "absent.j2", "mode": "0644"}]}
+
+
+def _lookup(kind: str, name: str, **options) -> str:
+    """Ansible's file and template lookups, as text that says what they were asked."""
+    assert kind in {"ansible.builtin.file", "ansible.builtin.template"}
+    return f"{kind.rsplit('.', 1)[-1]}:{name}:{sorted(options.get('template_vars', {}).items())}"
+
+
+def _block_scope(include: dict, contexts: list[dict]) -> tuple[dict, dict, dict]:
+    """k31_unit's "Write the units' ..." block, its variables worked out for `include` with one unit per context."""
     # Ansible's own filters Jinja lacks (its versions of Jinja's builtins need its templar)
     ansible_filters = {**CoreFilters().filters(), **MathFilters().filters()}
-    filters = {name: ansible_filters[name] for name in ("bool", "combine", "dirname", "flatten")}
-    secret = "k31-test-secret-4c1d"
-    include = {"k31_unit_name": "k31-watch", "k31_unit_service": {"Description": "d", "ExecStart": "/x"},
-               "k31_unit_stage_dir": "", "k31_unit_first": False, "k31_unit_restart": False, "k31_unit_watch": [],
-               "k31_unit_files": [{"dest": "/etc/k31/watch.json", "content": secret, "mode": "0600", "secret": True},
-                                  {"dest": "/etc/k31/watch.py", "src": "watch.py", "mode": "0755"},
-                                  {"dest": "/etc/k31/watch.sh", "template": "watch.sh.j2", "mode": "0755"}]}
+    filters = {name: ansible_filters[name] for name in ("bool", "combine", "dirname", "flatten", "unique")}
     worked_out = _unit_task("Work out each unit's name, files and directives")
-    assert native(worked_out["no_log"].strip(), include, filters) is True
     results = []
-    for context in [{}, {"rank": 1}]:
-        scope = {**include, "k31_unit_context": context, "_k31_unit_watched": {}}
+    for context in contexts:
+        # Ansible templates the include's variables where they are read, with this unit's context
+        here = native(include, {**include, "k31_unit_context": context}, filters)
+        scope = {**here, "k31_unit_context": context, "_k31_unit_watched": {}}
         results.append({"ansible_facts": {"_k31_unit_one": native(worked_out["ansible.builtin.set_fact"]
                                                                    ["_k31_unit_one"], scope, filters)}})
     block = _unit_task("Write the units' files and unit files, then start them")
-    scope = {**include, "_k31_unit_worked_out": {"results": results}}
-    scope |= {k: native(v.strip(), scope, filters) for k, v in block["vars"].items()}
-    tasks = [t for t in block["block"] if "loop" in t]
-    tasks += [t for t in block["block"][-1].get("block", []) if "loop" in t]
+    scope = {**include, "_k31_unit_worked_out": {"results": results}, "lookup": _lookup,
+             "role_path": "/roles/k31_unit"}
+    for name, value in block["vars"].items():    # in order: each reads the ones before
+        scope[name] = native(value.strip(), scope, filters)
+    return block, scope, filters
+
+
+def test_a_hosts_files_and_units_go_in_one_run_and_the_secret_ones_in_a_no_log_run_of_their_own():
+    block, scope, _ = _block_scope(INCLUDE, [{"rank": 0}, {"rank": 1}])
+    secret_task, plain_task = block["block"][:2]
+    assert secret_task["no_log"] is True and "no_log" not in plain_task
+    assert secret_task["k31_files"]["files"] == "{{ _k31_unit_rendered.secret }}"
+    assert plain_task["k31_files"]["files"] == "{{ _k31_unit_rendered.plain }}"
+    rendered = scope["_k31_unit_rendered"]
+    assert rendered["secret"] == [{"dest": "/etc/k31/watch.json", "mode": "0600", "content": SECRET}] * 2
+    # the files first (a src copied, a template rendered with its unit's context, validate kept), the units last
+    assert rendered["plain"] == [
+        {"dest": "/etc/k31/watch.py", "mode": "0755", "content": "file:watch.py:[]"},
+        {"dest": "/etc/k31/watch.sh", "mode": "0755", "validate": "sh -n %s",
+         "content": "template:watch.sh.j2:[('k31_unit_context', {'rank': 0})]"},
+        {"dest": "/etc/k31/watch.py", "mode": "0755", "content": "file:watch.py:[]"},
+        {"dest": "/etc/k31/watch.sh", "mode": "0755", "validate": "sh -n %s",
+         "content": "template:watch.sh.j2:[('k31_unit_context', {'rank': 1})]"},
+        *[{"dest": "/etc/systemd/system/k31-watch.service", "mode": "0644",
+           "content": f"template:/roles/k31_unit/templates/k31.service.j2:[('_k31_unit', {unit!r})]"}
+          for unit in scope["_k31_unit_list"]]]
+    assert SECRET not in repr(rendered["plain"])
+
+
+def test_a_staged_render_puts_the_unit_files_below_the_stage_root():
+    _, scope, _ = _block_scope({**INCLUDE, "k31_unit_stage_dir": "/var/lib/k31/next"}, [{}])
+    assert scope["_k31_unit_list"][0]["path"] == "/var/lib/k31/next/etc/systemd/system/k31-watch.service"
+    assert scope["_k31_unit_rendered"]["plain"][-1]["dest"] == scope["_k31_unit_list"][0]["path"]
+
+
+@pytest.mark.parametrize(("written", "secret", "restarted", "reload"), [
+    ([], [], [], False),
+    (["/etc/k31/a.sh"], [], ["k31-a"], False),
+    ([], ["/etc/k31/b.env"], ["k31-b"], False),                       # a secret file restarts its unit too
+    (["/etc/systemd/system/k31-b.service"], [], ["k31-b"], True),     # a unit file: daemon-reload and restart
+])
+def test_a_changed_file_restarts_its_unit_and_a_changed_unit_file_reloads_systemd(written, secret, restarted, reload):
+    block, scope, filters = _block_scope({**INCLUDE, "k31_unit_files": [
+        {"dest": "/etc/k31/{{ k31_unit_context.name[-1] }}.sh", "content": "x", "mode": "0755"},
+        {"dest": "/etc/k31/{{ k31_unit_context.name[-1] }}.env", "content": "y", "mode": "0600", "secret": True}],
+        "k31_unit_name": "{{ k31_unit_context.name }}"}, [{"name": "k31-a"}, {"name": "k31-b"}])
+    start = block["block"][-1]
+    here = {**scope, "_k31_unit_written": {"changed_files": written},
+            "_k31_unit_secret_files": {"changed_files": secret}}
+    here["_k31_unit_changed_files"] = native(start["vars"]["_k31_unit_changed_files"].strip(), here, filters)
+    assert native(start["vars"]["_k31_unit_changed"].strip(), here, filters) == restarted
+    starting = start["block"][0]["ansible.builtin.systemd_service"]
+    assert native(starting["daemon_reload"], here, filters) is reload
+    # a skipped secret run (no secret file) has no changed_files
+    skipped = {**here, "_k31_unit_secret_files": {"skipped": True}}
+    assert native(start["vars"]["_k31_unit_changed_files"].strip(), skipped, filters) == written
+
+
+def test_no_task_that_logs_carries_a_secret_file():
+    """-v and the run records print a task's loop items and results unless it is no_log: a secret file's content
+    is only in its own no_log run's arguments, never in its unit's loop item or the other files' run (the PD
+    watcher's config holds the API keys beside its scripts)."""
+    block, scope, filters = _block_scope(INCLUDE, [{}, {"rank": 1}])
+    worked_out = _unit_task("Work out each unit's name, files and directives")
+    assert native(worked_out["no_log"].strip(), INCLUDE, filters) is True
     logged = 0
-    for task in tasks:
+    for task in [*block["block"][:2], *block["block"][-1]["block"]]:
+        if task.get("no_log") is True:
+            continue
+        action = next(v for k, v in task.items() if k in {"k31_files", "ansible.builtin.systemd_service"})
         loop_var = task.get("loop_control", {}).get("loop_var", "item")
-        for item in native(task["loop"].strip(), scope, filters):
-            hidden = native(str(task.get("no_log", False)), {**scope, loop_var: item}, filters)
-            if hidden not in (True, "True"):
-                logged += 1
-                assert secret not in repr(item), (task["name"], item)
-    assert logged >= 5      # the directories, the two other files (twice), the units: the check looked at them
+        for item in native(task["loop"].strip(), scope, filters) if "loop" in task else [None]:
+            logged += 1
+            assert SECRET not in repr(native(action, {**scope, loop_var: item, "_k31_unit_changed": [],
+                                                   "_k31_unit_changed_files": []}, filters)), (
+                task["name"])
+            assert SECRET not in repr(item), task["name"]
+    assert logged == 3     # the other files and the unit files, and the two units' starts: the check looked at them

@@ -26,8 +26,8 @@ def native(value: Any, context: dict[str, Any], filters: dict[str, Any]) -> Any:
         return {k: native(v, context, filters) for k, v in value.items()}
     if isinstance(value, list):
         return [native(v, context, filters) for v in value]
-    if not isinstance(value, str):
-        return value
+    if not isinstance(value, str) or ("{{" not in value and "{%" not in value):
+        return value    # Ansible leaves a string without Jinja as it is (the native render makes "" None)
     env = jinja2.nativetypes.NativeEnvironment(undefined=jinja2.StrictUndefined)
     env.filters.update(filters)
     return env.from_string(value).render(**context)

@@ -1,0 +1,124 @@
+#!/usr/bin/python
+"""k31_files: write many small files, owned by root, in one module run (a role's rendered files and unit files).
+
+The template and copy actions cost one or two module runs per file and host; a host's engine ranks have a dozen
+files. The contents are rendered on the controller (k31_unit's lookups); this writes each one that differs,
+atomically (a temporary file beside it, checked by its `validate` command, then renamed), fixes mode and owner,
+and reports which files changed (`changed_files`, for the units' restarts) with a diff per file under --diff.
+Nothing is written under --check. The result never repeats the contents: the records stay small, and the
+includer runs the files that hold a secret in a task of their own with no_log.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: k31_files
+short_description: Write a list of root-owned files in one run; report which changed
+description:
+  - Each file is written only when its content, mode or owner differs; a new content goes to a temporary file in
+    the same directory, is checked by C(validate) when given, then renamed over the old one.
+  - Missing directories are created (root, C(dir_mode)). Supports check mode and diff mode.
+options:
+  files:
+    description: The files.
+    type: list
+    elements: dict
+    required: true
+    suboptions:
+      dest: {description: Absolute path., type: str, required: true}
+      content: {description: The whole text of the file., type: str, required: true}
+      mode: {description: Octal mode as a string (C(0600))., type: str, required: true}
+      validate: {description: A command run on the new file before it replaces the old (C(%s) is its path)., type: str}
+  dir_mode:
+    description: Mode of the directories this creates.
+    type: str
+    default: "0755"
+"""
+
+RETURN = r"""
+changed_files:
+  description: The files written or whose mode or owner was fixed (under --check, those that would be).
+  type: list
+  elements: str
+  returned: always
+"""
+
+
+def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, validate: str | None, dir_mode: int) -> None:
+    parent = os.path.dirname(dest)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=dir_mode)
+        os.chmod(parent, dir_mode)    # makedirs' mode is masked by the umask
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(dest)}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.chown(tmp, 0, 0)
+        if validate:
+            rc, out, err = module.run_command(validate % tmp if "%s" in validate else f"{validate} {tmp}")
+            if rc != 0:
+                module.fail_json(msg=f"{dest}: its new content failed `{validate}` (rc {rc}): {(err or out).strip()}",
+                                 changed_files=[])
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "files": {"type": "list", "elements": "dict", "required": True, "options": {
+                "dest": {"type": "str", "required": True},
+                "content": {"type": "str", "required": True},
+                "mode": {"type": "str", "required": True},
+                "validate": {"type": "str"},
+            }},
+            "dir_mode": {"type": "str", "default": "0755"},
+        },
+        supports_check_mode=True,
+        no_log=True,    # the host's journal gets no copy of the contents
+    )
+    dir_mode = int(module.params["dir_mode"], 8)
+    changed: list[str] = []
+    diffs: list[dict[str, str]] = []
+    for spec in module.params["files"]:
+        dest, mode = spec["dest"], int(spec["mode"], 8)
+        if not os.path.isabs(dest):
+            module.fail_json(msg=f"{dest}: a file's dest must be an absolute path", changed_files=changed)
+        data = spec["content"].encode("utf-8")
+        try:
+            st = os.stat(dest)
+            with open(dest, "rb") as f:
+                before = f.read()
+        except FileNotFoundError:
+            st, before = None, None
+        if before == data and st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, 0):
+            continue
+        changed.append(dest)
+        if before != data and module._diff:
+            diffs.append({"before_header": dest, "after_header": dest,
+                          "before": before.decode("utf-8", "replace") if before is not None else "",
+                          "after": spec["content"]})
+        if module.check_mode:
+            continue
+        if before != data:
+            _write(module, dest, data, mode, spec.get("validate"), dir_mode)
+        else:
+            os.chmod(dest, mode)
+            os.chown(dest, 0, 0)
+    # The files' names only: the default invocation would echo every content into the records.
+    module.exit_json(changed=bool(changed), changed_files=changed, **({"diff": diffs} if module._diff else {}),
+                     invocation={"module_args": {"files": [f["dest"] for f in module.params["files"]]}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""library/k31_files.py writes a role's rendered files in one module run per host (k31_unit, the engine's tools). Run
+here as Ansible runs it (its arguments from a file): each file written only when it differs, atomically, checked by
+its `validate` first, mode and owner fixed, nothing under --check, a diff under --diff, and no content echoed back
+into the run records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODULE = Path(__file__).resolve().parents[2] / "library" / "k31_files.py"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the module makes its files root's (k31 runs as root)")
+
+
+def k31_files(tmp_path: Path, files: list[dict], *, check: bool = False, diff: bool = False) -> dict:
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {"files": files, "_ansible_check_mode": check,
+                                                         "_ansible_diff": diff}}))
+    done = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, check=False)
+    return json.loads(done.stdout)
+
+
+def test_writes_what_differs_creates_directories_and_a_second_run_changes_nothing(tmp_path):
+    env, script = tmp_path / "etc/k31/a.env", tmp_path / "lib/k31/run.sh"
+    files = [{"dest": str(env), "content": "A=1\n", "mode": "0600"},
+             {"dest": str(script), "content": "#!/bin/sh\nexit 0\n", "mode": "0755"}]
+    first = k31_files(tmp_path, files)
+    assert first["changed"] and first["changed_files"] == [str(env), str(script)]
+    assert env.read_text() == "A=1\n" and script.read_text() == "#!/bin/sh\nexit 0\n"
+    assert (env.stat().st_mode & 0o7777, script.stat().st_mode & 0o7777) == (0o600, 0o755)
+    assert env.parent.stat().st_mode & 0o7777 == 0o755
+    again = k31_files(tmp_path, files)
+    assert not again["changed"] and again["changed_files"] == []
+    files[0]["content"] = "A=2\n"
+    third = k31_files(tmp_path, files)
+    assert third["changed_files"] == [str(env)] and env.read_text() == "A=2\n"
+    assert sorted(p.name for p in env.parent.iterdir()) == ["a.env"]    # no temporary file left
+
+
+def test_a_wrong_mode_alone_is_fixed_and_reported(tmp_path):
+    dest = tmp_path / "a.env"
+    dest.write_text("A=1\n")
+    dest.chmod(0o644)
+    result = k31_files(tmp_path, [{"dest": str(dest), "content": "A=1\n", "mode": "0600"}])
+    assert result["changed_files"] == [str(dest)] and dest.stat().st_mode & 0o7777 == 0o600
+
+
+def test_check_mode_writes_nothing_and_diff_mode_shows_each_change(tmp_path):
+    dest, new = tmp_path / "a.sh", tmp_path / "sub/b.sh"
+    dest.write_text("old\n")
+    files = [{"dest": str(dest), "content": "new\n", "mode": "0644"},
+             {"dest": str(new), "content": "b\n", "mode": "0644"}]
+    result = k31_files(tmp_path, files, check=True, diff=True)
+    assert result["changed_files"] == [str(dest), str(new)]
+    assert dest.read_text() == "old\n" and not new.parent.exists()
+    assert [(d["before_header"], d["before"], d["after"]) for d in result["diff"]] == [
+        (str(dest), "old\n", "new\n"), (str(new), "", "b\n")]
+
+
+def test_a_file_failing_its_validate_leaves_the_old_one_and_no_temporary_file(tmp_path):
+    dest = tmp_path / "rules.nft"
+    dest.write_text("good\n")
+    result = k31_files(tmp_path, [{"dest": str(dest), "content": "bad\n", "mode": "0644",
+                                   "validate": "grep -q good %s"}])
+    assert result["failed"] and str(dest) in result["msg"] and "grep -q good" in result["msg"]
+    assert dest.read_text() == "good\n" and [p.name for p in tmp_path.iterdir() if p.name != "args.json"] == [
+        "rules.nft"]
+    ok = k31_files(tmp_path, [{"dest": str(dest), "content": "good too\n", "mode": "0644",
+                               "validate": "grep -q good %s"}])
+    assert ok["changed_files"] == [str(dest)] and dest.read_text() == "good too\n"
+
+
+def test_the_result_names_the_files_but_never_repeats_their_content(tmp_path):
+    secret = "k31-test-secret-9e2f"
+    result = k31_files(tmp_path, [{"dest": str(tmp_path / "k.yaml"), "content": f"api-key: {secret}\n",
+                                   "mode": "0600"}])
+    assert result["invocation"] == {"module_args": {"files": [str(tmp_path / "k.yaml")]}}
+    assert secret not in json.dumps(result)
+
+
+def test_a_relative_dest_is_refused(tmp_path):
+    result = k31_files(tmp_path, [{"dest": "etc/k31/a.env", "content": "", "mode": "0600"}])
+    assert result["failed"] and "absolute" in result["msg"]
