@@ -3,7 +3,7 @@
 
 The template and copy actions cost one or two module runs per file and host; a host's engine ranks have a dozen
 files. The contents are rendered on the controller (k31_unit's lookups); this writes each one that differs,
-atomically (a temporary file beside it, checked by its `validate` command, then renamed), fixes mode and owner,
+atomically (a temporary file beside it, checked by its `validate` command, then renamed), fixes mode and group,
 and reports which files changed (`changed_files`, for the units' restarts) with a diff per file under --diff.
 Nothing is written under --check. The result never repeats the contents: the records stay small, and the
 includer runs the files that hold a secret in a task of their own with no_log.
@@ -11,6 +11,7 @@ includer runs the files that hold a secret in a task of their own with no_log.
 
 from __future__ import annotations
 
+import grp
 import os
 import tempfile
 
@@ -33,23 +34,31 @@ options:
       dest: {description: Absolute path., type: str, required: true}
       content: {description: The whole text of the file., type: str, required: true}
       mode: {description: Octal mode as a string (C(0600))., type: str, required: true}
+      group: {description: "Its group (a service's, to read it); root owns it.", type: str, default: root}
       validate: {description: A command run on the new file before it replaces the old (C(%s) is its path)., type: str}
   dir_mode:
     description: Mode of the directories this creates.
     type: str
     default: "0755"
+  fix_parents:
+    description: Also make each file's existing directory root's with C(dir_mode) (a role's own directories).
+    type: bool
+    default: false
 """
 
 RETURN = r"""
 changed_files:
-  description: The files written or whose mode or owner was fixed (under --check, those that would be).
+  description: >-
+    The files written or whose mode or group was fixed, and with C(fix_parents) the directories fixed (under
+    --check, those that would be).
   type: list
   elements: str
   returned: always
 """
 
 
-def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, validate: str | None, dir_mode: int) -> None:
+def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, gid: int, validate: str | None,
+           dir_mode: int) -> None:
     parent = os.path.dirname(dest)
     if not os.path.isdir(parent):
         os.makedirs(parent, mode=dir_mode)
@@ -61,7 +70,7 @@ def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, validate: s
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.chown(tmp, 0, 0)
+        os.chown(tmp, 0, gid)
         if validate:
             rc, out, err = module.run_command(validate % tmp if "%s" in validate else f"{validate} {tmp}")
             if rc != 0:
@@ -80,9 +89,11 @@ def main() -> None:
                 "dest": {"type": "str", "required": True},
                 "content": {"type": "str", "required": True},
                 "mode": {"type": "str", "required": True},
+                "group": {"type": "str", "default": "root"},
                 "validate": {"type": "str"},
             }},
             "dir_mode": {"type": "str", "default": "0755"},
+            "fix_parents": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
         no_log=True,    # the host's journal gets no copy of the contents
@@ -90,10 +101,23 @@ def main() -> None:
     dir_mode = int(module.params["dir_mode"], 8)
     changed: list[str] = []
     diffs: list[dict[str, str]] = []
+    if module.params["fix_parents"]:
+        for parent in sorted({os.path.dirname(f["dest"]) for f in module.params["files"]}):
+            st = os.stat(parent) if os.path.isdir(parent) else None
+            if st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) != (dir_mode, 0, 0):
+                changed.append(parent)
+                if not module.check_mode:
+                    os.chmod(parent, dir_mode)
+                    os.chown(parent, 0, 0)
     for spec in module.params["files"]:
         dest, mode = spec["dest"], int(spec["mode"], 8)
         if not os.path.isabs(dest):
             module.fail_json(msg=f"{dest}: a file's dest must be an absolute path", changed_files=changed)
+        try:
+            gid = grp.getgrnam(spec["group"]).gr_gid
+        except KeyError:
+            module.fail_json(msg=f"{dest}: its group {spec['group']} does not exist on this host",
+                             changed_files=changed)
         data = spec["content"].encode("utf-8")
         try:
             st = os.stat(dest)
@@ -101,7 +125,7 @@ def main() -> None:
                 before = f.read()
         except FileNotFoundError:
             st, before = None, None
-        if before == data and st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, 0):
+        if before == data and st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, gid):
             continue
         changed.append(dest)
         if before != data and module._diff:
@@ -111,10 +135,10 @@ def main() -> None:
         if module.check_mode:
             continue
         if before != data:
-            _write(module, dest, data, mode, spec.get("validate"), dir_mode)
+            _write(module, dest, data, mode, gid, spec.get("validate"), dir_mode)
         else:
             os.chmod(dest, mode)
-            os.chown(dest, 0, 0)
+            os.chown(dest, 0, gid)
     # The files' names only: the default invocation would echo every content into the records.
     module.exit_json(changed=bool(changed), changed_files=changed, **({"diff": diffs} if module._diff else {}),
                      invocation={"module_args": {"files": [f["dest"] for f in module.params["files"]]}})

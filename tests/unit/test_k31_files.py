@@ -87,3 +87,35 @@ def test_the_result_names_the_files_but_never_repeats_their_content(tmp_path):
 def test_a_relative_dest_is_refused(tmp_path):
     result = k31_files(tmp_path, [{"dest": "etc/k31/a.env", "content": "", "mode": "0600"}])
     assert result["failed"] and "absolute" in result["msg"]
+
+
+def test_fix_parents_makes_the_files_directories_roots_with_dir_mode_and_is_off_by_default(tmp_path):
+    """k31_unit's directories are root's 0755 whoever made them first (k31_pki makes /etc/k31 0700, which would
+    keep the monitoring units' group from their configuration)."""
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o700)
+    etc.chmod(0o700)
+    files = [{"dest": str(etc / "a.env"), "content": "A=1\n", "mode": "0600"}]
+    left = k31_files(tmp_path, files)
+    assert left["changed_files"] == [str(etc / "a.env")] and etc.stat().st_mode & 0o7777 == 0o700
+    (etc / "a.env").unlink()
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {"files": files, "fix_parents": True,
+                                                         "_ansible_check_mode": True}}))
+    checked = json.loads(subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True,
+                                        check=False).stdout)
+    assert checked["changed_files"] == [str(etc), str(etc / "a.env")] and etc.stat().st_mode & 0o7777 == 0o700
+    args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {"files": files, "fix_parents": True}}))
+    fixed = json.loads(subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True,
+                                      check=False).stdout)
+    assert fixed["changed_files"] == [str(etc), str(etc / "a.env")] and etc.stat().st_mode & 0o7777 == 0o755
+
+
+def test_a_files_group_is_set_and_an_unknown_group_is_refused(tmp_path):
+    dest = tmp_path / "prometheus.yml"
+    result = k31_files(tmp_path, [{"dest": str(dest), "content": "x\n", "mode": "0640", "group": "daemon"}])
+    assert result["changed_files"] == [str(dest)] and (dest.stat().st_uid, dest.stat().st_gid) == (0, 1)
+    assert k31_files(tmp_path, [{"dest": str(dest), "content": "x\n", "mode": "0640", "group": "daemon"}])[
+        "changed_files"] == []
+    refused = k31_files(tmp_path, [{"dest": str(dest), "content": "x\n", "mode": "0640", "group": "k31-no-such"}])
+    assert refused["failed"] and "k31-no-such does not exist" in refused["msg"]
