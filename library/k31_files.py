@@ -57,6 +57,11 @@ changed_files:
 """
 
 
+def _names(module: AnsibleModule) -> dict:
+    """What the result says it was called with: the files' names (the default would echo every content)."""
+    return {"module_args": {"files": [f["dest"] for f in module.params["files"]]}}
+
+
 def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, gid: int, validate: str | None,
            dir_mode: int) -> None:
     parent = os.path.dirname(dest)
@@ -75,7 +80,7 @@ def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, gid: int, v
             rc, out, err = module.run_command(validate % tmp if "%s" in validate else f"{validate} {tmp}")
             if rc != 0:
                 module.fail_json(msg=f"{dest}: its new content failed `{validate}` (rc {rc}): {(err or out).strip()}",
-                                 changed_files=[])
+                                 changed_files=[], invocation=_names(module))
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
@@ -112,12 +117,13 @@ def main() -> None:
     for spec in module.params["files"]:
         dest, mode = spec["dest"], int(spec["mode"], 8)
         if not os.path.isabs(dest):
-            module.fail_json(msg=f"{dest}: a file's dest must be an absolute path", changed_files=changed)
+            module.fail_json(msg=f"{dest}: a file's dest must be an absolute path", changed_files=changed,
+                             invocation=_names(module))
         try:
             gid = grp.getgrnam(spec["group"]).gr_gid
         except KeyError:
             module.fail_json(msg=f"{dest}: its group {spec['group']} does not exist on this host",
-                             changed_files=changed)
+                             changed_files=changed, invocation=_names(module))
         data = spec["content"].encode("utf-8")
         try:
             st = os.stat(dest)
@@ -139,9 +145,8 @@ def main() -> None:
         else:
             os.chmod(dest, mode)
             os.chown(dest, 0, gid)
-    # The files' names only: the default invocation would echo every content into the records.
     module.exit_json(changed=bool(changed), changed_files=changed, **({"diff": diffs} if module._diff else {}),
-                     invocation={"module_args": {"files": [f["dest"] for f in module.params["files"]]}})
+                     invocation=_names(module))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ def test_a_file_failing_its_validate_leaves_the_old_one_and_no_temporary_file(tm
     result = k31_files(tmp_path, [{"dest": str(dest), "content": "bad\n", "mode": "0644",
                                    "validate": "grep -q good %s"}])
     assert result["failed"] and str(dest) in result["msg"] and "grep -q good" in result["msg"]
+    assert "bad" not in json.dumps(result["invocation"])    # a failure echoes no content either
     assert dest.read_text() == "good\n" and [p.name for p in tmp_path.iterdir() if p.name != "args.json"] == [
         "rules.nft"]
     ok = k31_files(tmp_path, [{"dest": str(dest), "content": "good too\n", "mode": "0644",
