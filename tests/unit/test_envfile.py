@@ -3,7 +3,6 @@ roles/*/templates/*.env.j2), and the engine script echoes no command into a comm
 
 from __future__ import annotations
 
-import base64
 import importlib.util
 import random
 import subprocess
@@ -174,9 +173,9 @@ def render(template: Path, **context) -> str:
 def template_context(plan: dict, env: dict[str, str], runtime: str = "container") -> dict:
     server = plan["servers"][0]
     rank = {**server["ranks"][0], "env": env}
-    host_env = [{"content": base64.b64encode(b"MC_GID_INDEX=3\nSGLANG_HOST_IP=10.0.0.1\n").decode()}]
+    host_env = "MC_GID_INDEX=3\nSGLANG_HOST_IP=10.0.0.1\n\n"    # the read's output: each file, then a newline
     return {
-        "k31_unit_context": {"server": server, "rank": rank}, "_k31_engine_host_env": {"results": host_env},
+        "k31_unit_context": {"server": server, "rank": rank}, "_k31_engine_host_env": {"stdout": host_env},
         "k31_engine_extra_env": {}, "k31_engine_hf_token": "", "k31_engine_runtime": runtime,
         "k31_engine_etc_dir": "/etc/k31", "k31_engine_standin_load_seconds": 1, "k31_engine_standin_model_dir": "/m",
         "_k31_dynamo_plan": {"env": env}, "k31_dynamo_runtime": runtime, "k31_dynamo_state_dir": "/var/lib/k31/dynamo",
@@ -272,3 +271,22 @@ def test_dynamo_workers_env_files_carry_their_control_plane_secrets_and_others_n
     assert not [key for key in read if key.startswith("ETCD_AUTH")]    # etcd's PEM: read by the launch script
     sglang = systemd_read(render(engine, **template_context(PLAN, PLAN["servers"][0]["ranks"][0]["env"])))
     assert "NATS_AUTH_TOKEN" not in sglang
+
+
+def test_the_engines_read_of_the_host_settings_keeps_each_files_lines_apart_and_skips_a_missing_file(tmp_path):
+    """k31_engine reads rdma.env, model.env and mnnvl.env with one command; its output, parsed as one text, is what
+    the files say in that order (a later file wins), even when a file's last line has no newline."""
+    import jinja2.nativetypes
+    import yaml
+
+    (task,) = [t for t in yaml.safe_load((ROOT / "roles/k31_engine/tasks/units.yml").read_text())
+               if t["name"].startswith("Read the host settings")]
+    (tmp_path / "rdma.env").write_text("# Ansible managed\nMC_GID_INDEX=3\nNCCL_IB_HCA=mlx5_0")    # no newline
+    (tmp_path / "mnnvl.env").write_text("NCCL_IB_HCA=mlx5_1\nK31_MNNVL=1\n")
+    env = jinja2.nativetypes.NativeEnvironment()
+    env.filters.update(AnsibleCore().filters())
+    argv = env.from_string(task["ansible.builtin.command"]["argv"]).render(
+        k31_engine_host_env_files=["rdma", "model", "mnnvl"], k31_engine_etc_dir=str(tmp_path))
+    done = subprocess.run(argv, capture_output=True, text=True, check=True)
+    assert (task["changed_when"], task["check_mode"]) == (False, False)
+    assert envfile.parse([done.stdout]) == {"MC_GID_INDEX": "3", "NCCL_IB_HCA": "mlx5_1", "K31_MNNVL": "1"}
