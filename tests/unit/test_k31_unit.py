@@ -199,20 +199,29 @@ def _block_scope(include: dict, contexts: list[dict]) -> tuple[dict, dict, dict]
     scope = {**include, "_k31_unit_worked_out": {"results": results}, "lookup": _lookup,
              "role_path": "/roles/k31_unit"}
     for name, value in block["vars"].items():    # in order: each reads the ones before
-        scope[name] = native(value.strip(), scope, filters)
+        if name != "_k31_unit_rendered":          # each write task's own (its _k31_unit_secrets)
+            scope[name] = native(value.strip(), scope, filters)
     return block, scope, filters
 
 
+def _written(block: dict, scope: dict, filters: dict, task: dict) -> list[dict]:
+    """The files a write task of the block hands k31_files, `_k31_unit_rendered` worked out with the task's vars."""
+    here = {**scope, **task.get("vars", {})}
+    here["_k31_unit_rendered"] = native(block["vars"]["_k31_unit_rendered"].strip(), here, filters)
+    return native(task["k31_files"]["files"], here, filters)
+
+
 def test_a_hosts_files_and_units_go_in_one_run_and_the_secret_ones_in_a_no_log_run_of_their_own():
-    block, scope, _ = _block_scope(INCLUDE, [{"rank": 0}, {"rank": 1}])
+    asked = []
+    block, scope, filters = _block_scope(INCLUDE, [{"rank": 0}, {"rank": 1}])
+    scope["lookup"] = lambda *args, **options: asked.append(args[1]) or _lookup(*args, **options)
     secret_task, plain_task = block["block"][:2]
     assert secret_task["no_log"] is True and "no_log" not in plain_task
-    assert secret_task["k31_files"]["files"] == "{{ _k31_unit_rendered.secret }}"
-    assert plain_task["k31_files"]["files"] == "{{ _k31_unit_rendered.plain }}"
-    rendered = scope["_k31_unit_rendered"]
-    assert rendered["secret"] == [{"dest": "/etc/k31/watch.json", "mode": "0600", "content": SECRET}] * 2
+    assert secret_task["vars"] == {"_k31_unit_secrets": True} and plain_task["vars"] == {"_k31_unit_secrets": False}
+    secret, plain = (_written(block, scope, filters, task) for task in (secret_task, plain_task))
+    assert secret == [{"dest": "/etc/k31/watch.json", "mode": "0600", "content": SECRET}] * 2
     # the files first (a src copied, a template rendered with its unit's context, validate kept), the units last
-    assert rendered["plain"] == [
+    assert plain == [
         {"dest": "/etc/k31/watch.py", "mode": "0755", "content": "file:watch.py:[]"},
         {"dest": "/etc/k31/watch.sh", "mode": "0755", "validate": "sh -n %s",
          "content": "template:watch.sh.j2:[('k31_unit_context', {'rank': 0})]"},
@@ -222,13 +231,15 @@ def test_a_hosts_files_and_units_go_in_one_run_and_the_secret_ones_in_a_no_log_r
         *[{"dest": "/etc/systemd/system/k31-watch.service", "mode": "0644",
            "content": f"template:/roles/k31_unit/templates/k31.service.j2:[('_k31_unit', {unit!r})]"}
           for unit in scope["_k31_unit_list"]]]
-    assert SECRET not in repr(rendered["plain"])
+    assert SECRET not in repr(plain)
+    # each file rendered once, for its own run only
+    assert sorted(asked) == sorted(["watch.py", "watch.sh.j2"] * 2 + ["/roles/k31_unit/templates/k31.service.j2"] * 2)
 
 
 def test_a_staged_render_puts_the_unit_files_below_the_stage_root():
-    _, scope, _ = _block_scope({**INCLUDE, "k31_unit_stage_dir": "/var/lib/k31/next"}, [{}])
+    block, scope, filters = _block_scope({**INCLUDE, "k31_unit_stage_dir": "/var/lib/k31/next"}, [{}])
     assert scope["_k31_unit_list"][0]["path"] == "/var/lib/k31/next/etc/systemd/system/k31-watch.service"
-    assert scope["_k31_unit_rendered"]["plain"][-1]["dest"] == scope["_k31_unit_list"][0]["path"]
+    assert _written(block, scope, filters, block["block"][1])[-1]["dest"] == scope["_k31_unit_list"][0]["path"]
 
 
 @pytest.mark.parametrize(("written", "secret", "restarted", "reload"), [
@@ -265,12 +276,14 @@ def test_no_task_that_logs_carries_a_secret_file():
     for task in [*block["block"][:2], *block["block"][-1]["block"]]:
         if task.get("no_log") is True:
             continue
-        action = next(v for k, v in task.items() if k in {"k31_files", "ansible.builtin.systemd_service"})
         loop_var = task.get("loop_control", {}).get("loop_var", "item")
         for item in native(task["loop"].strip(), scope, filters) if "loop" in task else [None]:
             logged += 1
-            assert SECRET not in repr(native(action, {**scope, loop_var: item, "_k31_unit_changed": [],
-                                                   "_k31_unit_changed_files": []}, filters)), (
-                task["name"])
+            if "k31_files" in task:
+                handed = _written(block, scope, filters, task)
+            else:
+                handed = native(task["ansible.builtin.systemd_service"], {
+                    **scope, loop_var: item, "_k31_unit_changed": [], "_k31_unit_changed_files": []}, filters)
+            assert SECRET not in repr(handed), task["name"]
             assert SECRET not in repr(item), task["name"]
     assert logged == 3     # the other files and the unit files, and the two units' starts: the check looked at them
