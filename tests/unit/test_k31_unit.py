@@ -256,8 +256,9 @@ def test_a_changed_file_restarts_its_unit_and_a_changed_unit_file_reloads_system
     start = block["block"][-1]
     here = {**scope, "_k31_unit_written": {"changed_files": written},
             "_k31_unit_secret_files": {"changed_files": secret}}
-    here["_k31_unit_changed_files"] = native(start["vars"]["_k31_unit_changed_files"].strip(), here, filters)
-    assert native(start["vars"]["_k31_unit_changed"].strip(), here, filters) == restarted
+    for name, value in start["vars"].items():    # in order: each reads the ones before
+        here[name] = native(value.strip(), here, filters)
+    assert here["_k31_unit_changed"] == restarted
     starting = start["block"][0]["ansible.builtin.systemd_service"]
     assert native(starting["daemon_reload"], here, filters) is reload
     # a skipped secret run (no secret file) has no changed_files
@@ -283,7 +284,7 @@ def test_no_task_that_logs_carries_a_secret_file():
                 handed = _written(block, scope, filters, task)
             else:
                 handed = native(task["ansible.builtin.systemd_service"], {
-                    **scope, loop_var: item, "_k31_unit_changed": [], "_k31_unit_changed_files": []}, filters)
+                    **scope, loop_var: item, "_k31_unit_changed": [], "_k31_unit_rewritten": []}, filters)
             assert SECRET not in repr(handed), task["name"]
             assert SECRET not in repr(item), task["name"]
     assert logged == 3     # the other files and the unit files, and the two units' starts: the check looked at them
