@@ -3,8 +3,9 @@
 document; the controller appends a line calling cli() with what to probe on every host). k31_engine,
 k31_redeploy and k31_router install it as /usr/local/lib/k31/k31_probe.py: the engines' health gate and the PD
 watcher import its HTTP and systemd calls (request(), health(), unit_props(), drain(), rejoin(), idle()), and a
-redeploy step runs it with `--call ACTION` on the router host (drain, rejoin), the engine host (idle, stop,
-start, restore) and the lock host (lock: take, renew, release).
+redeploy step runs it with `--call ACTION` on the router host (drain, rejoin), the engine host (stop, start,
+restore; rank 0's stop first waits for its requests in flight, its start and restore end with the health gate,
+k31-engine-gate, installed beside it) and the lock host (lock: take, renew, release).
 
 Standard library only and Python 3.8-compatible: hosts have nothing of k31 but what the roles put there.
 """
@@ -30,6 +31,8 @@ FOLLOW_STATE = "/run/k31/pd-follow.state.json"
 # What a redeploy leaves on hosts while it runs (k31deploy.oncall.recover reads both).
 FOLLOW_HOLD = "/run/k31/pd-follow.hold"
 REDEPLOY_LOCK = "/run/k31/redeploy.lock"
+# The engines' health gate (roles/k31_engine/files/k31-engine-gate), which k31_engine installs beside this file.
+GATE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "k31-engine-gate")
 
 
 def run(argv):
@@ -249,12 +252,67 @@ def systemctl(*args):
     return "" if proc.returncode == 0 else f"systemctl {' '.join(args)} failed: {proc.stderr.strip()}"
 
 
+def engine_key(auth_file):
+    """The API key in an engine's key file (k31_engine's engine.auth.yaml: `api-key: "JSON string"`), the one the
+    running engine checks even when this redeploy changes it; "" when there is none."""
+    try:
+        with open(auth_file) as fh:
+            for line in fh:
+                if line.startswith("api-key:"):
+                    value = json.loads(line.split(":", 1)[1])
+                    return value if isinstance(value, str) else ""
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+def wait_idle(spec):
+    """Before rank 0 of a drained server stops -- spec {"load_url", "auth_file", "timeout", "interval",
+    "not_before": the epoch before which requests the router routed just before the removal may still arrive}:
+    wait out that grace, then until the engine's /get_load shows nothing in flight. "" then, else why not."""
+    key = engine_key(spec["auth_file"]) if spec.get("auth_file") else ""
+    headers = {"Authorization": "Bearer " + key} if key else {}
+
+    def call(method, url, body):
+        answer = request(url, method, body, headers, 10.0)
+        return answer["status"], answer.get("json")
+
+    time.sleep(max(0.0, min(float(spec.get("not_before", 0)) - time.time(), 60.0)))
+    return idle(call, spec["load_url"], float(spec.get("timeout", 30)), float(spec.get("interval", 1)))
+
+
+def health_gate(args):
+    """k31-engine-gate ARGS: its answer {"ok", "seconds", "healthy", "reason"}."""
+    try:
+        proc = subprocess.run([GATE, *args], capture_output=True, text=True)
+    except OSError as exc:
+        return {"ok": False, "reason": f"{GATE} could not run: {exc}"}
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"ok": False, "reason": f"{GATE} exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+
+
 def step(action, spec):
-    """A redeploy step's file swap and unit calls on one engine host: spec {"units", "files": [{"live", "staged",
-    "prev"}] (rollout.step_files), "stage_dir", "rollout": whether this step rolls out a new version}.
-    stop: a rollout first keeps the running version as .prev; then the units stop. start: a rollout puts the staged
-    files that differ in place and drops the stage; then the units start. restore: the .prev copies go back and the
-    units restart on them. "" when done, else why not."""
+    """A redeploy step's calls on one engine host: {"ok", "reason", and "idle" or "gate" when they ran}. spec
+    {"units", "files": [{"live", "staged", "prev"}] (rollout.step_files), "stage_dir", "rollout": whether this step
+    rolls out a new version; rank 0 only: "idle" (wait_idle's spec) and "gate" (k31-engine-gate's arguments)}.
+    stop: waits for the requests in flight (they finish; the stop goes on after the idle timeout), a rollout keeps
+    the running version as .prev, then the units stop. start: a rollout puts the staged files that differ in place
+    and drops the stage, the units start, then the gate waits for /health. restore: the .prev copies go back, the
+    units restart on them, then the gate."""
+    out = {}
+    if action == "stop" and spec.get("idle"):
+        out["idle"] = wait_idle(spec["idle"])
+    reason = swap(action, spec)
+    if not reason and action != "stop" and spec.get("gate"):
+        out["gate"] = health_gate(spec["gate"])
+        reason = "" if out["gate"].get("ok") else out["gate"].get("reason") or "the health gate failed"
+    return {"ok": not reason, "reason": reason, **out}
+
+
+def swap(action, spec):
+    """step()'s file swap and unit calls: "" when done, else why not."""
     files, units = spec.get("files", []), list(spec["units"])
     rollout = spec.get("rollout") in (True, "true", "True")
     if action == "stop":
@@ -322,10 +380,8 @@ def lock(spec, path=None, wait=10.0):
 def call_cli(action, spec):
     """One step of k31 redeploy run on a host, its spec on stdin (it may hold the keys): drain or rejoin on the
     router host, which asks its own router (public_tls: the site's certificate, not checked here) -- {"router",
-    "key", "timeout", "worker_url" | "worker"}; idle on the engine host -- {"load_url", "key", "timeout",
-    "interval", "not_before": the epoch before which requests routed just before the drain may still arrive};
-    stop, start or restore on an engine host (step()); lock on the lock host (lock()). Prints {"ok", "reason",
-    "at"}; exit 1 when not ok."""
+    "key", "timeout", "worker_url" | "worker"}; stop, start or restore on an engine host (step()); lock on the
+    lock host (lock()). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate"); exit 1 when not ok."""
     headers = {"Authorization": "Bearer " + spec["key"]} if spec.get("key") else {}
     context = None
     if spec.get("router", "").startswith("https:"):
@@ -339,18 +395,15 @@ def call_cli(action, spec):
 
     timeout = float(spec.get("timeout", 30))
     if action in ("stop", "start", "restore"):
-        reason = step(action, spec)
+        out = step(action, spec)
     elif action == "lock":
-        reason = lock(spec)
+        out = {"reason": lock(spec)}
     elif action == "drain":
-        reason = drain(call, spec["router"], spec["worker_url"], timeout)
-    elif action == "rejoin":
-        reason = rejoin(call, spec["router"], spec["worker"], timeout)
+        out = {"reason": drain(call, spec["router"], spec["worker_url"], timeout)}
     else:
-        time.sleep(max(0.0, min(float(spec.get("not_before", 0)) - time.time(), 60.0)))
-        reason = idle(call, spec["load_url"], timeout, float(spec.get("interval", 1)))
-    print(json.dumps({"ok": not reason, "reason": reason, "at": time.time()}))
-    return 1 if reason else 0
+        out = {"reason": rejoin(call, spec["router"], spec["worker"], timeout)}
+    print(json.dumps({"ok": not out["reason"], **out, "at": time.time()}))
+    return 1 if out["reason"] else 0
 
 
 def runtime(unit, etc_dir):
@@ -462,7 +515,7 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-CALLS = ("drain", "rejoin", "idle", "stop", "start", "restore", "lock")
+CALLS = ("drain", "rejoin", "stop", "start", "restore", "lock")
 
 
 # k31_redeploy runs the installed file (argv: --call CALL, the spec on stdin), and its repair ships this

@@ -171,35 +171,24 @@ class EngineHandler(RouterHandler):
         self.server.load = max(0, self.server.load - 1)
 
 
-def test_the_engine_host_waits_out_the_grace_then_the_requests_in_flight():
-    engine = Engine(load=2)
-    threading.Thread(target=engine.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{engine.server_address[1]}/get_load"
-        not_before = time.time() + 1.0
-        rc, out = cli("idle", {"load_url": url, "key": "ek", "timeout": 20, "interval": 0.2, "not_before": not_before})
-        assert (rc, out["reason"]) == (0, "")
-        assert engine.reads[0] >= not_before and len(engine.reads) == 3     # 2 in flight, 1, then none
-        engine.load = 50
-        rc, out = cli("idle", {"load_url": url, "key": "ek", "timeout": 0.5, "interval": 0.2})
-        assert rc == 1 and out["reason"].startswith("requests were still in flight")
-        rc, out = cli("idle", {"load_url": url, "key": "wrong", "timeout": 5})
-        assert rc == 0    # no load to read (401): the drain timeout is all there is, and the stop goes on
-    finally:
-        engine.shutdown()
-        engine.server_close()
-
-
 @pytest.fixture
 def host(tmp_path):
-    """An engine host's k31 files under tmp_path and a systemctl on PATH that records its calls (and fails a
-    start when asked to)."""
-    bin_dir = tmp_path / "bin"
+    """An engine host's k31 files under tmp_path: the client installed as k31_probe.py beside a stand-in
+    k31-engine-gate (it records its arguments and answers what gate.json says), and a systemctl on PATH that
+    records its calls (and fails a start when asked to)."""
+    bin_dir, lib = tmp_path / "bin", tmp_path / "lib"
     bin_dir.mkdir()
+    lib.mkdir()
+    client = lib / "k31_probe.py"
+    client.write_text(Path(probe.__file__).read_text())
     calls = tmp_path / "systemctl.calls"
     (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
                                        f'[ "$1" = start ] && [ -e {tmp_path}/refuse-start ] && exit 1\nexit 0\n')
     (bin_dir / "systemctl").chmod(0o755)
+    (tmp_path / "gate.json").write_text('{"ok": true, "seconds": 0.1, "healthy": ["k31-d0-r0"], "reason": ""}')
+    (lib / "k31-engine-gate").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/gate.calls\ncat {tmp_path}/gate.json\n'
+                                         f'grep -q \'"ok": true\' {tmp_path}/gate.json\n')
+    (lib / "k31-engine-gate").chmod(0o755)
     etc, stage = tmp_path / "etc", tmp_path / "stage"
     files = []
     for name in ("k31-d0-r0.env", "k31-d0-r0.sh"):
@@ -213,10 +202,10 @@ def host(tmp_path):
         staged.chmod(live.stat().st_mode & 0o777)
         files.append({"live": str(live), "staged": str(staged), "prev": f"{live}.prev"})
     spec = {"units": ["k31-d0-r0"], "files": files, "stage_dir": str(stage), "rollout": True}
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "http_proxy": "http://127.0.0.1:9"}
 
     def call(action, **change):
-        done = subprocess.run([sys.executable, "-I", probe.__file__, "--call", action],
+        done = subprocess.run([sys.executable, "-I", str(client), "--call", action],
                               input=json.dumps({**spec, **change}), capture_output=True, text=True, env=env,
                               timeout=60, check=False)
         return done.returncode, json.loads(done.stdout)
@@ -252,3 +241,52 @@ def test_a_restart_for_the_pd_rule_touches_no_file_and_a_refused_start_says_so(h
     (tmp_path / "refuse-start").touch()
     rc, out = call("start", rollout=False)
     assert rc == 1 and out["reason"].startswith("systemctl start k31-d0-r0 failed")
+
+
+def test_rank_0_stops_after_the_grace_and_its_requests_in_flight_read_with_the_running_engines_key(host):
+    call, _, systemctl_calls, tmp_path = host
+    engine = Engine(load=2)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{engine.server_address[1]}/get_load"
+        key_file = tmp_path / "engine.auth.yaml"    # as k31_engine writes it; the controller's key may be a new one
+        key_file.write_text('# the engine reads its keys from here\napi-key: "ek"\nadmin-api-key: "other"\n')
+        not_before = time.time() + 1.0
+        idle = {"load_url": url, "auth_file": str(key_file), "timeout": 20, "interval": 0.2, "not_before": not_before}
+        assert call("stop", idle=idle)[1] == {"ok": True, "reason": "", "idle": "",
+                                              "at": pytest.approx(time.time(), abs=30)}
+        assert engine.reads[0] >= not_before and len(engine.reads) == 3     # 2 in flight, 1, then none
+        assert systemctl_calls() == ["stop k31-d0-r0"]
+        assert max(engine.reads) < (tmp_path / "systemctl.calls").stat().st_mtime
+        engine.load = 50
+        rc, out = call("stop", idle={**idle, "timeout": 0.5, "not_before": 0})
+        assert rc == 0 and out["idle"].startswith("requests were still in flight")    # the stop goes on
+        key_file.write_text('api-key: "wrong"\n')
+        reads = len(engine.reads)
+        assert call("stop", idle={**idle, "not_before": 0})[1]["idle"] == ""    # no load to read (401): nothing to wait
+        assert len(engine.reads) == reads
+    finally:
+        engine.shutdown()
+        engine.server_close()
+
+
+def test_rank_0_ends_its_start_and_restore_with_the_health_gate_and_a_failed_gate_fails_the_call(host):
+    call, files, _, tmp_path = host
+    gate = ["--timeout", "60", "--target=k31-d0-r0=http://10.0.0.2:30000/health", "--watch=k31-d0-r0"]
+    assert call("stop")[0] == 0
+    rc, out = call("start", gate=gate)
+    assert rc == 0 and out["gate"]["healthy"] == ["k31-d0-r0"]
+    assert (tmp_path / "gate.calls").read_text().split() == gate
+    (tmp_path / "gate.json").write_text('{"ok": false, "reason": "k31-d0-r0 failed (systemd stopped restarting it)"}')
+    rc, out = call("restore", gate=gate)
+    assert (rc, out["ok"], out["reason"]) == (1, False, "k31-d0-r0 failed (systemd stopped restarting it)")
+    assert [Path(f["live"]).read_text() for f in files] == ["v1 k31-d0-r0.env\n", "v1 k31-d0-r0.sh\n"]
+    (tmp_path / "refuse-start").touch()
+    (tmp_path / "gate.calls").unlink()
+    rc, out = call("start", rollout=False, gate=gate)
+    assert rc == 1 and out["reason"].startswith("systemctl start") and "gate" not in out    # no gate for a failed start
+    assert not (tmp_path / "gate.calls").exists()
+    (tmp_path / "gate.json").write_text("Traceback: not JSON")
+    (tmp_path / "refuse-start").unlink()
+    rc, out = call("start", rollout=False, gate=gate)
+    assert rc == 1 and out["reason"].startswith(str(tmp_path / "lib" / "k31-engine-gate") + " exited 1")
