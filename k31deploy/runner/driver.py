@@ -146,6 +146,9 @@ def runner_env(root: Path) -> dict[str, str]:
         # The ansible-playbook installed with this Python, even when its venv is not activated.
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         "ANSIBLE_HOST_KEY_CHECKING": _host_key_checking(cfg),
+        # ansible-runner names its own callback folder in this variable, which hides ansible.cfg's callback_plugins:
+        # k31's (callback_plugins/k31_warm.py) goes first and the runner appends its own.
+        "ANSIBLE_CALLBACK_PLUGINS": str(root / "callback_plugins"),
     }
 
 

@@ -293,6 +293,7 @@ def test_runner_env_uses_the_repo_config_and_keeps_host_key_checking(monkeypatch
     assert env["ANSIBLE_CONFIG"] == "/repo/ansible.cfg"
     assert env["PYTHONPATH"] == f"/repo{os.pathsep}/elsewhere"
     assert env["ANSIBLE_HOST_KEY_CHECKING"] == "True"  # no ansible.cfg there: Ansible's default
+    assert env["ANSIBLE_CALLBACK_PLUGINS"] == "/repo/callback_plugins"    # the runner appends its own folder
     monkeypatch.setenv("ANSIBLE_HOST_KEY_CHECKING", "False")
     assert driver.runner_env(Path("/repo"))["ANSIBLE_HOST_KEY_CHECKING"] == "False"
 

@@ -1,0 +1,58 @@
+"""callback_plugins/k31_warm.py: the playbook's own process loads the filter plugins, so the forked task workers
+do not load them again, task after task. A filter plugin that records the PID of every process importing it shows
+where the loads happen, through a real ansible-playbook run with the project's ansible.cfg."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAYBOOK = """\
+- name: Five tasks that each use a filter
+  hosts: localhost
+  gather_facts: false
+  tasks:
+""" + "".join(f"    - name: Task {i}\n      ansible.builtin.debug:\n        msg: \"{{{{ [{i}] | k31_loaded }}}}\"\n"
+              for i in range(5))
+FILTER = """\
+import os
+with open(os.environ["K31_LOADS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+
+class FilterModule:
+    def filters(self):
+        return {"k31_loaded": lambda value: value}
+"""
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "filter_plugins").mkdir()
+    (tmp_path / "filter_plugins" / "k31_loaded.py").write_text(FILTER)
+    (tmp_path / "play.yml").write_text(PLAYBOOK)
+    return tmp_path
+
+
+def loads(project: Path, callback_dir: str) -> list[str]:
+    record = project / "loads"
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_CALLBACK_PLUGINS": callback_dir,
+           "ANSIBLE_FILTER_PLUGINS": f"{ROOT / 'filter_plugins'}:{project / 'filter_plugins'}",
+           "ANSIBLE_LOCAL_TEMP": str(project / "tmp"), "K31_LOADS": str(record), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "play.yml"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return record.read_text().split()
+
+
+def test_the_playbooks_process_loads_the_filters_once_for_every_task(project):
+    assert len(loads(project, str(ROOT / "callback_plugins"))) == 1
+
+
+def test_without_it_each_task_loads_them_again(project):
+    assert len(set(loads(project, str(project / "none")))) == 5
