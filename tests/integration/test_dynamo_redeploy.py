@@ -12,7 +12,9 @@ Needs root, podman, runc, debootstrap and the Dynamo wheels (built into .k31/whe
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -29,7 +31,8 @@ NAME = f"dynredeploy-{os.getpid()}"
 SHAPE = "gb300-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 SERVERS = ("decode0", "decode1", "prefill0", "prefill1")
-GATE = "Wait for rank 0 to answer /health (fails at once on a crash loop)"    # k31_engine's gate, rank 0 only
+# The server step's start: one host-side call per rank, whose answer carries the health gate's on rank 0 only.
+START = "Put the staged files in place, start the ranks, on rank 0 gate on /health (fails at once on a crash loop)"
 # The stand-ins' timing model (group_vars, so deploy and redeploy render the same): 160 tokens stream ~4 s.
 TIMING = {"k31_engine_standin_ttft_base_ms": 300, "k31_engine_standin_ttft_per_1k_prompt_tokens_ms": 200,
           "k31_engine_standin_token_ms": 25}
@@ -47,6 +50,18 @@ def journals(server):
                                        f"-u k31-pd-follow | grep -E 'k31-request-port|k31-pd-follow|systemd'",
                           check=False)
             for rank, host in ((0, f"{server}-t0"), (1, f"{server}-t1"))}
+
+
+def call_answers(proc, task):
+    """Each host's answer (the host-side client's JSON on stdout) to the task, from the run's job events."""
+    run_dir = Path(re.search(r"run record: (\S+)", proc.stderr + proc.stdout).group(1))
+    answers = {}
+    for path in (run_dir / "artifacts").glob("*/job_events/*.json"):
+        event = json.loads(path.read_text())
+        data = event.get("event_data", {})
+        if event.get("event") == "runner_on_ok" and data.get("task") == task:
+            answers[data["host"]] = json.loads(data["res"]["stdout"])
+    return answers
 
 
 def started(host, server, rank):
@@ -119,9 +134,11 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
         assert (n0, n1) == (before[(server, 0)][1], before[(server, 1)][1]), server
         assert abs(r0 - r1) < 15_000_000, (server, r0, r1)
     # The step's gate is rank 0's health, on rank 0's host only.
+    answers = call_answers(proc, START)
     for server in SERVERS:
-        assert f"{server}-t0 | {GATE} | ok" in proc.stdout, server
-        assert f"{server}-t1 | {GATE} | skipped" in proc.stdout, server
+        gate = answers[f"{server}-t0"].get("gate", {})
+        assert answers[f"{server}-t0"]["ok"] and gate.get("ok") and gate.get("healthy") == [f"k31-{server}-r0"], gate
+        assert answers[f"{server}-t1"]["ok"] and "gate" not in answers[f"{server}-t1"], server
     # Canary decode first, then the other, then the prefills (the seed's rule: after the decodes).
     order = sorted(SERVERS, key=lambda s: after[(s, 0)][0])
     assert order[:2] == ["decode0", "decode1"] and set(order[2:]) == {"prefill0", "prefill1"}, order
