@@ -90,8 +90,11 @@ def test_decode_ranks_start_first_and_the_others_after():
     assert _settings("node1", "k31_unit_first") == [True]
     assert _settings("node0", "k31_unit_first") == [False]
     starts = _unit_task("Write the units' files and unit files, then start them")["block"][-1]["block"]
-    assert [t["loop"] for t in starts] == ["{{ _k31_unit_list | selectattr('first') | list }}",
-                                           "{{ _k31_unit_list | rejectattr('first') | list }}"]
+    units = [{"name": "k31-decode0-r0", "first": True, "restart": False, "path": "/d"},
+             {"name": "k31-prefill0-r0", "first": False, "restart": False, "path": "/p"}]
+    scope = {"_k31_unit_list": units, "_k31_unit_changed": [], "_k31_unit_rewritten": [], "ansible_check_mode": False}
+    assert [[u["name"] for u in native(t["k31_services"]["units"], {**scope, **t["vars"]}, {})] for t in starts] \
+        == [["k31-decode0-r0"], ["k31-prefill0-r0"]]
 
 
 def test_a_staged_render_writes_below_the_stage_root_and_the_unit_still_names_the_live_paths():
@@ -259,8 +262,16 @@ def test_a_changed_file_restarts_its_unit_and_a_changed_unit_file_reloads_system
     for name, value in start["vars"].items():    # in order: each reads the ones before
         here[name] = native(value.strip(), here, filters)
     assert here["_k31_unit_changed"] == restarted
-    starting = start["block"][0]["ansible.builtin.systemd_service"]
-    assert native(starting["daemon_reload"], here, filters) is reload
+    # neither unit goes first: the second task starts both, in one k31_services run, and reloads systemd itself
+    first, others = start["block"][0], start["block"][1]
+    for check_mode in (False, True):
+        scope_ = {**here, **others["vars"], "ansible_check_mode": check_mode}
+        handed = native(others["k31_services"], scope_, filters)
+        assert handed["daemon_reload"] is reload
+        # a dry run leaves out a unit whose files would change (it has no unit to start yet)
+        assert handed["units"] == [{"name": n, "state": "restarted" if n in restarted else "started"}
+                                   for n in ("k31-a", "k31-b") if not (check_mode and n in restarted)]
+    assert native("{{ " + first["when"] + " }}", here, filters) is False
     # a skipped secret run (no secret file) has no changed_files
     skipped = {**here, "_k31_unit_secret_files": {"skipped": True}}
     assert native(start["vars"]["_k31_unit_changed_files"].strip(), skipped, filters) == written
@@ -283,8 +294,9 @@ def test_no_task_that_logs_carries_a_secret_file():
             if "k31_files" in task:
                 handed = _written(block, scope, filters, task)
             else:
-                handed = native(task["ansible.builtin.systemd_service"], {
-                    **scope, loop_var: item, "_k31_unit_changed": [], "_k31_unit_rewritten": []}, filters)
+                handed = native(task["k31_services"], {
+                    **scope, **task["vars"], loop_var: item, "_k31_unit_changed": [], "_k31_unit_rewritten": [],
+                    "ansible_check_mode": False}, filters)
             assert SECRET not in repr(handed), task["name"]
             assert SECRET not in repr(item), task["name"]
     assert logged == 3     # the other files and the unit files, and the two units' starts: the check looked at them
