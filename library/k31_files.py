@@ -23,7 +23,9 @@ short_description: Write a list of root-owned files in one run; report which cha
 description:
   - Each file is written only when its content, mode or owner differs; a new content goes to a temporary file in
     the same directory, is checked by C(validate) when given, then renamed over the old one.
-  - Missing directories are created (root, C(dir_mode)). Supports check mode and diff mode.
+  - Missing directories are created (root, C(dir_mode)); C(dirs) are created or fixed first with their own mode
+    and group. A file's content is C(content), or the bytes of C(src), a file on the host (never shown in a diff).
+    Supports check mode and diff mode.
 options:
   files:
     description: The files.
@@ -32,10 +34,20 @@ options:
     required: true
     suboptions:
       dest: {description: Absolute path., type: str, required: true}
-      content: {description: The whole text of the file., type: str, required: true}
+      content: {description: The whole text of the file (or C(src))., type: str}
+      src: {description: "A file on the host to copy (a certificate); its content is never shown in a diff.", type: str}
       mode: {description: Octal mode as a string (C(0600))., type: str, required: true}
       group: {description: "Its group (a service's, to read it); root owns it.", type: str, default: root}
       validate: {description: A command run on the new file before it replaces the old (C(%s) is its path)., type: str}
+  dirs:
+    description: Directories to create or fix first (root's, with their mode and group), before the files.
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      path: {description: Absolute path., type: str, required: true}
+      mode: {description: Octal mode as a string., type: str, required: true}
+      group: {description: Its group., type: str, default: root}
   dir_mode:
     description: Mode of the directories this creates.
     type: str
@@ -59,7 +71,19 @@ changed_files:
 
 def _names(module: AnsibleModule) -> dict:
     """What the result says it was called with: the files' names (the default would echo every content)."""
-    return {"module_args": {"files": [f["dest"] for f in module.params["files"]]}}
+    named = {"files": [f["dest"] for f in module.params["files"]]}
+    if module.params["dirs"]:
+        named["dirs"] = [d["path"] for d in module.params["dirs"]]
+    return {"module_args": named}
+
+
+def _gid(module: AnsibleModule, path: str, group: str, changed: list[str]) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        module.fail_json(msg=f"{path}: its group {group} does not exist on this host", changed_files=changed,
+                         invocation=_names(module))
+        raise    # fail_json exits
 
 
 def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, gid: int, validate: str | None,
@@ -92,10 +116,16 @@ def main() -> None:
         argument_spec={
             "files": {"type": "list", "elements": "dict", "required": True, "options": {
                 "dest": {"type": "str", "required": True},
-                "content": {"type": "str", "required": True},
+                "content": {"type": "str"},
+                "src": {"type": "str"},
                 "mode": {"type": "str", "required": True},
                 "group": {"type": "str", "default": "root"},
                 "validate": {"type": "str"},
+            }},
+            "dirs": {"type": "list", "elements": "dict", "default": [], "options": {
+                "path": {"type": "str", "required": True},
+                "mode": {"type": "str", "required": True},
+                "group": {"type": "str", "default": "root"},
             }},
             "dir_mode": {"type": "str", "default": "0755"},
             "fix_parents": {"type": "bool", "default": False},
@@ -106,6 +136,21 @@ def main() -> None:
     dir_mode = int(module.params["dir_mode"], 8)
     changed: list[str] = []
     diffs: list[dict[str, str]] = []
+    for spec in module.params["dirs"]:
+        path, mode = spec["path"], int(spec["mode"], 8)
+        if not os.path.isabs(path):
+            module.fail_json(msg=f"{path}: a directory's path must be absolute", changed_files=changed,
+                             invocation=_names(module))
+        gid = _gid(module, path, spec["group"], changed)
+        st = os.stat(path) if os.path.isdir(path) else None
+        if st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, gid):
+            continue
+        changed.append(path)
+        if not module.check_mode:
+            if st is None:
+                os.makedirs(path, mode=dir_mode, exist_ok=True)
+            os.chmod(path, mode)
+            os.chown(path, 0, gid)
     if module.params["fix_parents"]:
         for parent in sorted({os.path.dirname(f["dest"]) for f in module.params["files"]}):
             st = os.stat(parent) if os.path.isdir(parent) else None
@@ -119,12 +164,19 @@ def main() -> None:
         if not os.path.isabs(dest):
             module.fail_json(msg=f"{dest}: a file's dest must be an absolute path", changed_files=changed,
                              invocation=_names(module))
-        try:
-            gid = grp.getgrnam(spec["group"]).gr_gid
-        except KeyError:
-            module.fail_json(msg=f"{dest}: its group {spec['group']} does not exist on this host",
-                             changed_files=changed, invocation=_names(module))
-        data = spec["content"].encode("utf-8")
+        gid = _gid(module, dest, spec["group"], changed)
+        if (spec["content"] is None) == (spec["src"] is None):
+            module.fail_json(msg=f"{dest}: a file takes one of content and src", changed_files=changed,
+                             invocation=_names(module))
+        if spec["src"] is not None:
+            try:
+                with open(spec["src"], "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                module.fail_json(msg=f"{dest}: its src {spec['src']} cannot be read ({e.strerror})",
+                                 changed_files=changed, invocation=_names(module))
+        else:
+            data = spec["content"].encode("utf-8")
         try:
             st = os.stat(dest)
             with open(dest, "rb") as f:
@@ -134,7 +186,7 @@ def main() -> None:
         if before == data and st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, gid):
             continue
         changed.append(dest)
-        if before != data and module._diff:
+        if before != data and module._diff and spec["src"] is None:
             diffs.append({"before_header": dest, "after_header": dest,
                           "before": before.decode("utf-8", "replace") if before is not None else "",
                           "after": spec["content"]})

@@ -18,10 +18,11 @@ MODULE = Path(__file__).resolve().parents[2] / "library" / "k31_files.py"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the module makes its files root's (k31 runs as root)")
 
 
-def k31_files(tmp_path: Path, files: list[dict], *, check: bool = False, diff: bool = False) -> dict:
+def k31_files(tmp_path: Path, files: list[dict], *, check: bool = False, diff: bool = False,
+              dirs: list[dict] | None = None) -> dict:
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {"files": files, "_ansible_check_mode": check,
-                                                         "_ansible_diff": diff}}))
+                                                         "_ansible_diff": diff, **({"dirs": dirs} if dirs else {})}}))
     done = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, check=False)
     return json.loads(done.stdout)
 
@@ -120,3 +121,32 @@ def test_a_files_group_is_set_and_an_unknown_group_is_refused(tmp_path):
         "changed_files"] == []
     refused = k31_files(tmp_path, [{"dest": str(dest), "content": "x\n", "mode": "0640", "group": "k31-no-such"}])
     assert refused["failed"] and "k31-no-such does not exist" in refused["msg"]
+
+
+def test_dirs_are_made_or_fixed_first_and_a_src_file_is_copied_without_showing_it(tmp_path):
+    """k31_monitoring's folders (group daemon here for prometheus) and the host certificate's copies in one run:
+    a src's bytes are copied, never shown in a diff, and a second run changes nothing."""
+    tls, key = tmp_path / "mon/tls", tmp_path / "pki/host.key"
+    key.parent.mkdir()
+    key.write_text("k31-test-key-77a1\n")
+    dirs = [{"path": str(tmp_path / "mon"), "mode": "0750", "group": "daemon"},
+            {"path": str(tls), "mode": "0750", "group": "daemon"}]
+    files = [{"dest": str(tls / "host.key"), "src": str(key), "mode": "0640", "group": "daemon"}]
+    checked = k31_files(tmp_path, files, dirs=dirs, check=True, diff=True)
+    assert checked["changed_files"] == [str(tmp_path / "mon"), str(tls), str(tls / "host.key")]
+    assert not (tmp_path / "mon").exists() and "k31-test-key-77a1" not in json.dumps(checked)
+    first = k31_files(tmp_path, files, dirs=dirs, diff=True)
+    assert first["changed_files"] == checked["changed_files"] and "k31-test-key-77a1" not in json.dumps(first)
+    assert (tls / "host.key").read_text() == "k31-test-key-77a1\n"
+    assert [(p.stat().st_mode & 0o7777, p.stat().st_gid) for p in (tmp_path / "mon", tls, tls / "host.key")] == [
+        (0o750, 1), (0o750, 1), (0o640, 1)]
+    assert k31_files(tmp_path, files, dirs=dirs)["changed_files"] == []
+    tls.chmod(0o755)
+    assert k31_files(tmp_path, files, dirs=dirs)["changed_files"] == [str(tls)] and tls.stat().st_mode & 0o777 == 0o750
+
+
+def test_a_file_takes_content_or_src_and_a_missing_src_is_named(tmp_path):
+    both = k31_files(tmp_path, [{"dest": str(tmp_path / "a"), "content": "x", "src": "/etc/hostname", "mode": "0644"}])
+    assert both["failed"] and "one of content and src" in both["msg"]
+    missing = k31_files(tmp_path, [{"dest": str(tmp_path / "a"), "src": str(tmp_path / "none"), "mode": "0644"}])
+    assert missing["failed"] and str(tmp_path / "none") in missing["msg"] and not (tmp_path / "a").exists()
