@@ -138,6 +138,16 @@ def test_a_readded_worker_the_router_never_finds_healthy_fails_after_the_timeout
     assert reason == "the router does not list http://10.0.0.2:30000 healthy after 5 s"
 
 
+def test_the_drain_and_readd_poll_the_routers_listing_four_times_a_second(router):
+    """A 1 s poll added up to a second to each step's drain and re-add; the router's own listing costs nothing."""
+    r = router([], healthy_after_post=False)
+    slept: list[float] = []
+    clock = iter(range(0, 1000, 1))
+    probe.rejoin(_call, r.url, {"url": "http://10.0.0.2:30000"}, 3, now=lambda: next(clock), sleep=slept.append)
+    probe.drain(_call, r.url, "http://10.0.0.2:30000", 3, now=lambda: next(clock), sleep=slept.append)
+    assert slept and set(slept) == {probe.ROUTER_POLL} and probe.ROUTER_POLL == 0.25
+
+
 def _call(method, url, body):
     answer = probe.request(url, method, body, {"Authorization": f"Bearer {KEY}"})
     return answer["status"], answer.get("json")
