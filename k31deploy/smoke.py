@@ -209,10 +209,10 @@ def run_smoke(base_url: str, model: str, api_key: str | None = None, timeout: fl
         raise K31Error(f"--skip {unknown[0]} is not a check; valid checks: {', '.join(n for n, _ in CHECKS)}")
     if max_tokens < 1:
         raise K31Error(f"--max-tokens {max_tokens} is not valid; give a whole number above 0")
-    import httpx
-    from openai import OpenAI
+    # The client's own timeout and HTTP client types: openai 3.63 moved from httpx to httpx2 and refuses the other's.
+    from openai import DefaultHttpxClient, OpenAI, Timeout
 
-    limits = httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT, timeout))
+    limits = Timeout(timeout, connect=min(CONNECT_TIMEOUT, timeout))
     http_client = None
     if tls is not None:
         import ssl
@@ -220,7 +220,7 @@ def run_smoke(base_url: str, model: str, api_key: str | None = None, timeout: fl
         context = ssl.create_default_context(cafile=tls.ca)
         if tls.cert:
             context.load_cert_chain(tls.cert, tls.key)
-        http_client = httpx.Client(verify=context, timeout=limits)
+        http_client = DefaultHttpxClient(verify=context, timeout=limits)
     # No retries: a retried request would hide the failure the smoke is there to show.
     client = OpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=limits,
                     http_client=http_client)
