@@ -86,6 +86,23 @@ def _gid(module: AnsibleModule, path: str, group: str, changed: list[str]) -> in
         raise    # fail_json exits
 
 
+def _own_dir(module: AnsibleModule, path: str, mode: int, gid: int, changed: list[str], create: int | None = None
+             ) -> None:
+    """Make the directory root's with mode and group; a missing one is made (with mode `create` for the folders
+    above it) when `create` is given, else left alone. Noted in changed; nothing done under --check."""
+    st = os.stat(path) if os.path.isdir(path) else None
+    if st is None and create is None:
+        return
+    if st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, gid):
+        return
+    changed.append(path)
+    if not module.check_mode:
+        if st is None:
+            os.makedirs(path, mode=create, exist_ok=True)
+        os.chmod(path, mode)
+        os.chown(path, 0, gid)
+
+
 def _write(module: AnsibleModule, dest: str, data: bytes, mode: int, gid: int, validate: str | None,
            dir_mode: int) -> None:
     parent = os.path.dirname(dest)
@@ -141,24 +158,10 @@ def main() -> None:
         if not os.path.isabs(path):
             module.fail_json(msg=f"{path}: a directory's path must be absolute", changed_files=changed,
                              invocation=_names(module))
-        gid = _gid(module, path, spec["group"], changed)
-        st = os.stat(path) if os.path.isdir(path) else None
-        if st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, gid):
-            continue
-        changed.append(path)
-        if not module.check_mode:
-            if st is None:
-                os.makedirs(path, mode=dir_mode, exist_ok=True)
-            os.chmod(path, mode)
-            os.chown(path, 0, gid)
+        _own_dir(module, path, mode, _gid(module, path, spec["group"], changed), changed, create=dir_mode)
     if module.params["fix_parents"]:
         for parent in sorted({os.path.dirname(f["dest"]) for f in module.params["files"]}):
-            st = os.stat(parent) if os.path.isdir(parent) else None
-            if st is not None and (st.st_mode & 0o7777, st.st_uid, st.st_gid) != (dir_mode, 0, 0):
-                changed.append(parent)
-                if not module.check_mode:
-                    os.chmod(parent, dir_mode)
-                    os.chown(parent, 0, 0)
+            _own_dir(module, parent, dir_mode, 0, changed)
     for spec in module.params["files"]:
         dest, mode = spec["dest"], int(spec["mode"], 8)
         if not os.path.isabs(dest):
