@@ -47,7 +47,7 @@ acted:
 
 def _states(module: AnsibleModule, names: list[str]) -> dict[str, tuple[str, str]]:
     """Each unit's (UnitFileState, ActiveState) from one systemctl show."""
-    rc, out, err = module.run_command(["systemctl", "show", "--property=Id,UnitFileState,ActiveState", "--",
+    rc, out, err = module.run_command(["systemctl", "show", "--property=UnitFileState,ActiveState", "--",
                                        *(f"{n}.service" for n in names)])
     if rc != 0:
         module.fail_json(msg=f"systemctl show failed (rc {rc}): {err.strip()}", acted=[])
