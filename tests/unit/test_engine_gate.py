@@ -40,13 +40,19 @@ def run(gate, *, healthy_at=None, restarts=lambda t: 0, active=lambda t: "active
     return out, clock
 
 
-def test_probes_every_second_first_then_at_the_model_load_interval():
+FIRST = [0.25] * 8          # the first two seconds
+
+
+def test_probes_each_quarter_second_then_every_second_first_then_at_the_model_load_interval():
     gate = load()
+    out, clock = run(gate, healthy_at=0.5)
+    assert out == {"ok": True, "seconds": 0.5, "healthy": ["k31-d0-r0"], "reason": ""}
+    assert clock.sleeps == [0.25, 0.25]
     out, clock = run(gate, healthy_at=3)
     assert out == {"ok": True, "seconds": 3.0, "healthy": ["k31-d0-r0"], "reason": ""}
-    assert clock.sleeps == [1.0, 1.0, 1.0]
+    assert clock.sleeps == [*FIRST, 1.0]
     out, clock = run(gate, healthy_at=22)
-    assert out["ok"] and clock.sleeps == [1.0] * 10 + [5.0, 5.0, 5.0]
+    assert out["ok"] and clock.sleeps == FIRST + [1.0] * 8 + [5.0, 5.0, 5.0]
     assert out["seconds"] == 25.0
 
 
@@ -59,9 +65,11 @@ def test_a_crash_loop_fails_at_once_naming_the_unit():
                              "(a crash loop)")
     out, _ = run(gate, active=lambda t: "failed" if t >= 4 else "activating")
     assert out["reason"] == "k31-d0-r0 failed (systemd stopped restarting it)" and out["seconds"] == 4.0
-    # a clean exit is not restarted: inactive at two polls in a row (one could fall inside a restart)
-    out, _ = run(gate, active=lambda t: "inactive" if t in (2, 5, 6) else "active")
+    # a clean exit is not restarted: inactive for a second (one poll could fall inside a restart)
+    out, _ = run(gate, active=lambda t: "inactive" if t in (0.5, 0.75, 1.25, 2, 5, 6) else "active")
     assert out["reason"] == "k31-d0-r0 stopped (inactive) and systemd does not restart it" and out["seconds"] == 6.0
+    out, _ = run(gate, active=lambda t: "inactive" if t >= 0.5 else "active")
+    assert out["reason"] == "k31-d0-r0 stopped (inactive) and systemd does not restart it" and out["seconds"] == 1.5
     # --max-restarts 0: only the timeout ends the wait
     out, _ = run(gate, restarts=lambda t: int(t), max_restarts=0)
     assert out["reason"] == "k31-d0-r0 did not answer /health within 60 s" and out["seconds"] == 60.0
@@ -72,7 +80,7 @@ def test_the_timeout_names_the_ranks_that_did_not_answer():
     out, clock = run(gate, timeout=12)
     assert out == {"ok": False, "seconds": 12.0, "healthy": [], "reason":
                    "k31-d0-r0 did not answer /health within 12 s"}
-    assert clock.sleeps == [1.0] * 10 + [2.0]          # never past the timeout
+    assert clock.sleeps == FIRST + [1.0] * 8 + [2.0]    # never past the timeout
 
 
 @pytest.fixture
