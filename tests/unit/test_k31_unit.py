@@ -167,6 +167,46 @@ def test_no_role_reads_another_roles_internal_facts():
     assert not strays, strays
 
 
+
+def _defined_names(node):
+    """The variable names a tasks file defines: set_fact keys, register, task/block/include vars, loop_var."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _defined_names(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key == "vars" and isinstance(value, dict):
+                yield from value
+            elif key in {"ansible.builtin.set_fact", "set_fact"} and isinstance(value, dict):
+                yield from (name for name in value if name != "cacheable")
+            elif key == "register" and isinstance(value, str):
+                yield value
+            elif key == "loop_control" and isinstance(value, dict) and "loop_var" in value:
+                yield value["loop_var"]
+            yield from _defined_names(value)
+
+
+def test_every_name_a_role_defines_is_an_input_or_its_own_internal():
+    """A name without the leading underscore is an input some role declares (meta/argument_specs.yml, defaults), as
+    when a role hands k31_unit its k31_unit_* settings; everything else a role's tasks define is `_<role>_...`.
+    The validate play's two results are the hand-off every later play reads, by their documented names."""
+    inputs = set()
+    for role in (ROOT / "roles").iterdir():
+        specs, defaults = role / "meta" / "argument_specs.yml", role / "defaults" / "main.yml"
+        if specs.is_file():
+            for entry in (yaml.safe_load(specs.read_text()) or {}).get("argument_specs", {}).values():
+                inputs |= set(entry.get("options") or {})
+        if defaults.is_file():
+            inputs |= set(yaml.safe_load(defaults.read_text()) or {})
+    outputs = {"k31_validate_plan", "k31_validate_problems"}
+    strays = []
+    for tasks in sorted((ROOT / "roles").glob("*/tasks/*.yml")):
+        role = tasks.parent.parent.name
+        for name in sorted(set(_defined_names(yaml.safe_load(tasks.read_text())))):
+            if not name.startswith(f"_{role}_") and name not in inputs | outputs:
+                strays.append(f"{tasks.relative_to(ROOT)}: {name}")
+    assert not strays, strays
+
 # --- One module run writes a host's files; a changed file restarts its unit; no secret in what is logged -----------
 
 SECRET = "k31-test-secret-4c1d"
