@@ -342,5 +342,5 @@ def router_plan(r: Setup, servers: list[dict[str, Any]]) -> dict[str, Any] | Non
     return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,
             "public_address": host.public_address, "port": cat["ports"]["router"], "tls": tls,
             "mounts": [tls["dir"]] if tls else [], "unit": "k31-router",
-            "argv": argv, "env": dict(cfg["env"]),
+            "argv": argv, "env": dict(cfg["env"]), "secret_exec": dialect["secret_exec"],
             "metrics_port": cat["ports"]["router_metrics"] if dialect["metrics_flags"] else None}

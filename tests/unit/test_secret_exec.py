@@ -116,3 +116,37 @@ def test_service_command_refuses_a_keyed_binary_rather_than_put_the_key_in_argv(
     with pytest.raises(K31Error, match=r"sgl-router takes --api-key only on its command line.*/proc/<pid>/cmdline"):
         launch.service_command(seed["argv"], "venv", unit="k31-router", image=None, venv="/v",
                                secret_flags={"--api-key": "K31_ROUTER_API_KEY"})
+
+
+@pytest.mark.parametrize("knobs,override,handed", [
+    (MI_PD, {}, ["--api-key", "--control-plane-api-keys"]),
+    # the plan decides, not the dialect's name
+    (MI_PD, {"secret_exec": False}, ["--api-key"]),
+    # the seed's binary: the catalog's dialect says its keys cannot be handed over in-process, so the control-plane
+    # key is not (the validate play refuses an API key with it before this renders)
+    ({"platform": "gb300", "topology": "pd", "router": "sglang", "speculative": "none"}, {}, []),
+])
+def test_router_script_hands_over_the_keys_the_plans_dialect_can_take_in_process(knobs, override, handed):
+    """router.sh.j2 asks the plan (catalog router.dialects.*.secret_exec) whether the control-plane key goes to the
+    router, not the dialect's name; it hands the launcher only the variables' names."""
+    import shlex
+
+    import jinja2
+
+    router = {**resolve(knobs)["router"], **override}
+    seen = {}
+
+    def command(argv, runtime, unit, image, venv, cli, env_file, secret_flags, launcher, mounts):
+        seen["secret_flags"] = secret_flags
+        return argv
+
+    env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined)
+    env.filters.update({"combine": lambda a, b: {**a, **b}, "quote": shlex.quote, "k31_router_command": command})
+    template = env.from_string((SCRIPT.parents[1] / "templates" / "router.sh.j2").read_text())
+    text = template.render(ansible_managed="x", _k31_router_plan=router, _k31_plan={"image": None},
+                           k31_router_etc_dir="/etc/k31", k31_router_runtime="venv", k31_router_venv="/v",
+                           k31_router_container_cli="podman", k31_router_secret_exec=LAUNCHER,
+                           k31_router_api_key=KEY if "--api-key" in handed else "",
+                           k31_router_control_plane_key="cp-key")
+    assert list(seen["secret_flags"]) == handed
+    assert KEY not in text and "cp-key" not in text

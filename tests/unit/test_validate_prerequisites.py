@@ -142,8 +142,7 @@ def test_a_router_key_the_router_cannot_keep_out_of_argv_or_would_not_check_is_r
     assert seed["router"]["dialect"] == "sgl-router"
     [sentence] = check(seed, cluster(seed, {"k31_router_api_key": "rk-1234567"}), ["secrets"])
     assert sentence.startswith("k31_router_api_key cannot be kept out of the router's argv with "
-                               "router_dialect=sgl-router: the seed's sgl-router binary takes the key only as "
-                               "--api-key")
+                               "router_dialect=sgl-router: the sgl-router binary takes the key only as --api-key")
     dynamo = resolve({"platform": "gb300", "topology": "pd", "image": "reg/k31:cuda", "speculative": "none"})
     assert dynamo["router"]["kind"] == "dynamo"
     ca = {"k31_pki_ca_cert": PEM_CERT, "k31_pki_ca_key": PEM_KEY}

@@ -169,9 +169,10 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
         return
     if not router:    # the unified engines serve clients themselves and check the key
         return
-    if router.get("dialect") == "sgl-router":
-        problems.add("k31_router_api_key cannot be kept out of the router's argv with router_dialect=sgl-router: "
-                     "the seed's sgl-router binary takes the key only as --api-key, which every local user reads in "
+    if router.get("secret_exec") is False:    # the catalog's dialect: a binary, its flags in argv
+        dialect = router["dialect"]
+        problems.add(f"k31_router_api_key cannot be kept out of the router's argv with router_dialect={dialect}: "
+                     f"the {dialect} binary takes the key only as --api-key, which every local user reads in "
                      "/proc/<pid>/cmdline; use router_dialect=launch_router or leave k31_router_api_key unset")
     # The smoke check (localhost) and redeploys (engine hosts) send the key the router checks.
     want = keys.get(router["host"])
