@@ -18,7 +18,6 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
-from k31deploy.catalog import catalog
 from k31deploy.errors import K31Error
 
 ANY = ["0.0.0.0/0", "::/0"]
@@ -88,7 +87,7 @@ def rules(plan: dict[str, Any], host: str, settings: Settings) -> list[Rule]:
     mine = [(s, r) for s in plan["servers"] for r in s["ranks"] if r["host"] == host]
     if plan["topology"] == "pd" and mine:
         peers = [r["address"] for s in plan["servers"] for r in s["ranks"]]
-        low, high = catalog()["ports"]["mooncake_transfer_rpc"]
+        low, high = plan["pd_transfer_ports"]
         out.append(Rule(f"{low}-{high}", _networks(peers, "engine addresses"),
                         "mooncake: PD transfer RPC between engine hosts (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)"))
     for server, rank in mine:

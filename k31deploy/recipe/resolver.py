@@ -585,6 +585,9 @@ class _Resolver:
             "servers": servers,
             "router": router_plan(setup, servers),
             "mooncake_master": engine.mooncake_master(),
+            # Mooncake's PD transfer RPC ports, picked at run time from this range: the firewall opens it between
+            # the engine hosts (not a listener of the port table)
+            "pd_transfer_ports": list(self.cat["ports"]["mooncake_transfer_rpc"]) if self.topology == "pd" else None,
             "monitoring": self._monitoring(servers),
             # the cluster CA's files (k31 pki) wherever a control plane authenticates by certificate:
             # Dynamo's, and Prometheus, Alertmanager and the node exporters (mutual TLS)
