@@ -122,11 +122,8 @@ def k31_cdi_devices(flags: list[str], cli: str) -> list[dict[str, Any]]:
 
 
 def k31_platform_family(plan: dict[str, Any]) -> str:
-    """cuda, rocm or tpu: the plan's platform family (catalog), what picks a host's device setup."""
-    try:
-        return launch.platform_family(plan)
-    except K31Error as exc:
-        raise AnsibleFilterError(f"error: {exc}") from None
+    """cuda, rocm or tpu: the plan's platform family (its `hardware`), what picks a host's device setup."""
+    return launch.platform_family(plan)
 
 
 def k31_service_command(argv: list[str], runtime: str, unit: str, image: str | None, venv: str,

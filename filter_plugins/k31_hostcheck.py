@@ -14,7 +14,6 @@ try:
     from k31deploy import memory
     from k31deploy.errors import K31Error
     from k31deploy.hostcheck import checks, engine, mnnvl, rdma, system
-    from k31deploy.recipe.catalog import catalog
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -100,9 +99,9 @@ def k31_imex_status(output: str, addresses: list[str]) -> dict[str, Any]:
     return {**status, "ready": ready, "reason": reason}
 
 
-def k31_model_ids(plan: dict[str, Any]) -> dict[str, str]:
-    """Hub ids of the served model and its DFLASH draft (catalog), for a hub download."""
-    return {"model": plan["model"], "draft": catalog()["model"]["draft"]}
+def k31_model_ids(plan: dict[str, Any]) -> dict[str, str | None]:
+    """Hub ids of the served model and its DFLASH draft (None without DFLASH), for a hub download."""
+    return {"model": plan["model"], "draft": plan["draft_model"]}
 
 
 def k31_engine_probe(command: list[str]) -> list[str]:
@@ -113,8 +112,7 @@ def k31_engine_probe(command: list[str]) -> list[str]:
 
 def k31_engine_check(output: str, plan: dict[str, Any]) -> dict[str, Any]:
     """The engine probe's output against the plan's engine build and plugins: {ok, found, problems}."""
-    versions = {name: b.get("version") for name, b in catalog()["engine_builds"].items()}
-    return engine.check(output, plan["engine"], versions)
+    return engine.check(output, plan["engine"])
 
 
 class FilterModule:

@@ -118,13 +118,8 @@ def pinned_image(image: str, digest: str = "") -> str:
 
 
 def platform_family(plan: dict[str, Any]) -> str:
-    """The plan's platform family (cuda, rocm, tpu), from the catalog: what picks a host's device setup."""
-    from k31deploy.recipe.catalog import catalog
-
-    platforms = catalog()["platforms"]
-    if plan.get("platform") not in platforms:
-        raise K31Error(f"platform {plan.get('platform')!r} is not valid; valid choices: {', '.join(platforms)}")
-    return platforms[plan["platform"]]["family"]
+    """The plan's platform family (cuda, rocm, tpu; its `hardware`): what picks a host's device setup."""
+    return plan["hardware"]["family"]
 
 
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")

@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from k31deploy import memory
-from k31deploy.catalog import catalog
 from k31deploy.errors import K31Error
 from k31deploy.hostcheck import gpu, mnnvl, rdma, system
 
@@ -77,9 +76,8 @@ def _gib(n: float | None) -> str:
 class _Host:
     def __init__(self, plan: dict[str, Any], host: str, probes: dict[str, system.Section], settings: Settings):
         self.plan, self.host, self.p, self.s = plan, host, probes, settings
-        self.cat = catalog()
         self.platform = plan["platform"]
-        self.spec = self.cat["platforms"][self.platform]
+        self.spec = plan["hardware"]
         self.family = self.spec["family"]
         self.servers = [s for s in plan["servers"] if any(r["host"] == host for r in s["ranks"])]
         self.records: list[dict[str, Any]] = []
@@ -184,7 +182,7 @@ class _Host:
 
     def _rocm(self) -> None:
         # The catalog says "ROCm 10" (seed: "Requires ROCm 10; the recipes have not run on ROCm 7 images").
-        runtime = self.cat["families"][self.family]["runtime"]
+        runtime = self.spec["runtime"]
         need = gpu.version_tuple(runtime.split()[-1])
         sec = self.p.get("amd-version")
         version = gpu.parse_amd_smi_version(sec.text).get("rocm") if sec is not None and sec.ok else None

@@ -31,9 +31,9 @@ def _norm(name: str) -> str:
     return name.lower().replace("_", "-")
 
 
-def check(output: str, engine: dict[str, Any], versions: dict[str, str | None]) -> dict[str, Any]:
-    """The probe's output against the plan's `engine` section. versions: build -> release version (None
-    for the branch, whose version k31 cannot know)."""
+def check(output: str, engine: dict[str, Any]) -> dict[str, Any]:
+    """The probe's output against the plan's `engine` section (its `version`: the build's release, None for the
+    branch, whose version k31 cannot know)."""
     try:
         found = json.loads(output.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -41,7 +41,7 @@ def check(output: str, engine: dict[str, Any], versions: dict[str, str | None]) 
     problems = []
     if not found.get("sglang"):
         problems.append("SGLang is not installed")
-    want = versions.get(engine["build"])
+    want = engine.get("version")
     if want and found.get("sglang") and found["sglang"] != want:
         problems.append(f"it carries SGLang {found['sglang']}, but engine_build={engine['build']} is {want}: "
                         f"set engine_build to the image's build")

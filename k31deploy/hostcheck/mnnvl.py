@@ -6,11 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from k31deploy.catalog import catalog
-
 
 def nvl72(plan: dict[str, Any]) -> bool:
-    return bool(catalog()["platforms"][plan["platform"]].get("nvl72"))
+    return bool(plan["hardware"]["nvl72"])
 
 
 def domain_hosts(plan: dict[str, Any]) -> list[str]:

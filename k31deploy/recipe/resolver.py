@@ -576,7 +576,13 @@ class _Resolver:
             servers.append(server)
         plan = {
             "model": self.cat["model"]["name"],
+            # the DFLASH draft's hub id where a server speculates (k31_model's hub download)
+            "draft_model": self.cat["model"]["draft"] if self.speculative == "dflash" else None,
             "platform": self.platform,
+            # what the host checks and the IMEX setup compare a machine with
+            "hardware": {"family": self.family_name, "runtime": self.family["runtime"],
+                         "form": self.pinfo["form"], "gpus_per_node": self.pinfo["gpus_per_node"],
+                         "nvl72": bool(self.pinfo.get("nvl72"))},
             "topology": self.topology,
             "image": image,
             "engine": self._engine_section(),
@@ -667,7 +673,8 @@ class _Resolver:
 
     def _engine_section(self) -> dict[str, Any]:
         cfg = self.build_cfg
-        return {"build": self.build, "branch": bool(cfg.get("branch")), "reference": cfg["reference"],
+        return {"build": self.build, "version": cfg.get("version"), "branch": bool(cfg.get("branch")),
+                "reference": cfg["reference"],
                 "plugins": sorted({b["plugin"] for b in self.branch_only if b["plugin"]}),
                 "branch_only": self.branch_only}
 

@@ -71,5 +71,5 @@ def test_no_sglang_or_no_json_is_a_failure(site):
     site.mkdir()
     plan = resolve({"platform": "b300", "max_running_requests": 8})
     assert k31_engine_check(probe(site), plan)["problems"] == ["SGLang is not installed"]
-    bad = engine.check("Traceback ...", plan["engine"], {})
+    bad = engine.check("Traceback ...", plan["engine"])
     assert not bad["ok"] and bad["problems"][0].startswith("the engine probe printed no JSON")

@@ -227,8 +227,8 @@ def test_podman_reaches_nvidia_gpus_and_the_imex_channel_through_cdi_devices():
     assert {d.split("=")[0] for d in devices} <= set(launch.CDI_GENERATE)
 
 
-def test_the_platform_family_comes_from_the_catalog():
+def test_the_platform_family_comes_from_the_plan():
     assert launch.platform_family(resolve(MI_PD)) == "rocm"
-    assert launch.platform_family({"platform": "gb300"}) == "cuda"
-    with pytest.raises(K31Error, match=r"platform 'mi999' is not valid; valid choices: "):
-        launch.platform_family({"platform": "mi999"})
+    assert launch.platform_family(resolve({"platform": "gb300", "topology": "pd", "agents": 64})) == "cuda"
+    assert resolve({"platform": "gb300", "topology": "pd", "agents": 64})["hardware"] == {
+        "family": "cuda", "runtime": "CUDA", "form": "GB300 NVL72 tray", "gpus_per_node": 4, "nvl72": True}
