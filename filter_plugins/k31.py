@@ -121,11 +121,6 @@ def k31_cdi_devices(flags: list[str], cli: str) -> list[dict[str, Any]]:
             for d in launch.cdi_devices(list(flags), cli)]
 
 
-def k31_platform_family(plan: dict[str, Any]) -> str:
-    """cuda, rocm or tpu: the plan's platform family (its `hardware`), what picks a host's device setup."""
-    return launch.platform_family(plan)
-
-
 def k31_service_command(argv: list[str], runtime: str, unit: str, image: str | None, venv: str,
                         container_cli: str = "docker", env_file: str | None = None,
                         mounts: list[str] | None = None, pass_env: list[str] | None = None) -> list[str]:
@@ -267,7 +262,7 @@ class FilterModule:
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
                 "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
                 "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
-                "k31_platform_family": k31_platform_family,
+
                 "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,
                 "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds,
                 "k31_over_ssh": k31_over_ssh}

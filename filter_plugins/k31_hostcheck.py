@@ -99,11 +99,6 @@ def k31_imex_status(output: str, addresses: list[str]) -> dict[str, Any]:
     return {**status, "ready": ready, "reason": reason}
 
 
-def k31_model_ids(plan: dict[str, Any]) -> dict[str, str | None]:
-    """Hub ids of the served model and its DFLASH draft (None without DFLASH), for a hub download."""
-    return {"model": plan["model"], "draft": plan["draft_model"]}
-
-
 def k31_engine_probe(command: list[str]) -> list[str]:
     """argv that prints the SGLang version and plugins a Python sees: `command` starts that Python (a
     venv's python3, or `docker run ... --entrypoint python3 IMAGE`), the probe's arguments follow."""
@@ -123,6 +118,6 @@ class FilterModule:
             "k31_mlnx_qos": k31_mlnx_qos, "k31_pfc_vector": k31_pfc_vector, "k31_imex_domain": k31_imex_domain,
             "k31_imex_nodes_config": k31_imex_nodes_config, "k31_imex_status": k31_imex_status,
             "k31_imex_config": k31_imex_config,
-            "k31_model_ids": k31_model_ids, "k31_probe_sections": k31_probe_sections,
+            "k31_probe_sections": k31_probe_sections,
             "k31_engine_probe": k31_engine_probe, "k31_engine_check": k31_engine_check,
         }

@@ -117,11 +117,6 @@ def pinned_image(image: str, digest: str = "") -> str:
     return f"{repo}@{digest}"
 
 
-def platform_family(plan: dict[str, Any]) -> str:
-    """The plan's platform family (cuda, rocm, tpu; its `hardware`): what picks a host's device setup."""
-    return plan["hardware"]["family"]
-
-
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 

@@ -76,6 +76,7 @@ def test_imex_filters():
     assert FILTERS["k31_pfc_vector"](["3"]) == [0, 0, 0, 1, 0, 0, 0, 0]
 
 
-def test_model_ids_for_a_hub_download():
-    ids = FILTERS["k31_model_ids"](resolve({"platform": "mi355x", "agents": 92}))
+def test_the_plan_names_the_hub_ids_a_hub_download_fetches():
+    plan = resolve({"platform": "mi355x", "agents": 92})
+    ids = {"model": plan["model"], "draft": plan["draft_model"]}
     assert ids == {"model": "moonshotai/Kimi-K3.1-Pro", "draft": "z-lab/Kimi-K3.1-Dflash2-Preview"}

@@ -228,7 +228,7 @@ def test_podman_reaches_nvidia_gpus_and_the_imex_channel_through_cdi_devices():
 
 
 def test_the_platform_family_comes_from_the_plan():
-    assert launch.platform_family(resolve(MI_PD)) == "rocm"
-    assert launch.platform_family(resolve({"platform": "gb300", "topology": "pd", "agents": 64})) == "cuda"
+    assert resolve(MI_PD)["hardware"]["family"] == "rocm"
+    assert resolve({"platform": "gb300", "topology": "pd", "agents": 64})["hardware"]["family"] == "cuda"
     assert resolve({"platform": "gb300", "topology": "pd", "agents": 64})["hardware"] == {
         "family": "cuda", "runtime": "CUDA", "form": "GB300 NVL72 tray", "gpus_per_node": 4, "nvl72": True}
