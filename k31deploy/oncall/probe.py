@@ -385,8 +385,9 @@ def lock(spec, path=None, wait=10.0):
 def call_cli(action, spec):
     """One step of k31 redeploy run on a host, its spec on stdin (it may hold the keys): drain or rejoin on the
     router host, which asks its own router (public_tls: the site's certificate, not checked here) -- {"router",
-    "key", "timeout", "worker_url" | "worker"}; stop, start or restore on an engine host (step()); lock on the
-    lock host (lock()). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate"); exit 1 when not ok."""
+    "key", "timeout", "worker_url" | "worker"}; stop, start or restore on an engine host (step()), or there only
+    idle (wait_idle(): the repair's drained prefill); lock on the lock host (lock()). Prints {"ok", "reason",
+    "at"} (and step()'s "idle" or "gate"); exit 1 when not ok."""
     headers = {"Authorization": "Bearer " + spec["key"]} if spec.get("key") else {}
     context = None
     if spec.get("router", "").startswith("https:"):
@@ -403,6 +404,8 @@ def call_cli(action, spec):
         out = step(action, spec)
     elif action == "lock":
         out = {"reason": lock(spec)}
+    elif action == "idle":
+        out = {"reason": wait_idle(spec)}
     elif action == "drain":
         out = {"reason": drain(call, spec["router"], spec["worker_url"], timeout)}
     else:
@@ -520,7 +523,7 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-CALLS = ("drain", "rejoin", "stop", "start", "restore", "lock")
+CALLS = ("drain", "rejoin", "stop", "start", "restore", "idle", "lock")
 
 
 # k31_redeploy runs the installed file (argv: --call CALL, the spec on stdin), and its repair ships this

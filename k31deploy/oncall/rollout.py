@@ -1,5 +1,5 @@
-"""The order a redeploy restarts servers in, from the resolved plan, and what each server step decides (its mode,
-files and status); pure Python, used by roles/k31_redeploy through its filters.
+"""The order a redeploy restarts servers in, from the resolved plan, what each server step decides (its mode,
+files and status) and what the run reports; pure Python, used by roles/k31_redeploy through its filters.
 
 The seed's PD rule: the prefill keeps the old decode's Mooncake mapping, so after a decode restarts every
 prefill paired with it restarts once the decode is healthy again. The SGLang router (and Dynamo) pair any
@@ -67,6 +67,7 @@ def _step(server: dict[str, Any], reason: str) -> dict[str, Any]:
         "bootstrap_port": server.get("bootstrap_port"),
         "health_url": http(rank0["address"], server["port"], "/health"),    # where the engine binds
         "load_url": http(rank0["address"], server["port"], "/get_load"),
+        "auth_file": rank0.get("auth_file"),    # the key the running engine checks, read on its host
     }
 
 
@@ -231,3 +232,76 @@ def step_status(mode: str, reachable: bool, went: bool, failed: bool, rollback_f
     if not failed:
         return "ok"
     return "rolled_back" if mode == "rollout" and not rollback_failed else "failed"
+
+
+def hold_now(rollout: dict[str, Any], done: list[dict[str, Any]]) -> list[str]:
+    """Prefill hosts whose k31-pd-follow watcher a step holds: those of prefills this run has not restarted yet
+    (it restarts them itself, drained; a watcher would race it)."""
+    restarted = {d["host"] for d in done if d["role"] == "prefill" and _yes(d["restarted"])}
+    return [h for h in dict.fromkeys(rollout["hold_hosts"]) if h not in restarted]
+
+
+def held(step: dict[str, Any], rollout: dict[str, Any], status: str) -> bool:
+    """Whether a decode that came back stays out of the router until its prefills restarted (finish re-adds it)."""
+    return step["role"] == "decode" and bool(rollout["hold_decodes"]) and status in ("ok", "rolled_back")
+
+
+def step_report(result: dict[str, Any]) -> str:
+    """One line per server step: its status and time, and why where it did not take the change."""
+    line = f"{result['server']}: {result['status']} in {result['seconds']} s"
+    if _yes(result.get("held")):
+        line += " (held out of the router until its prefills restarted)"
+    if result["status"] == "rolled_back":
+        line += ("; rolled back to the previous unit, env file and launch script, which serve again. Why: "
+                 + result["error"])
+    elif result["status"] == "failed":
+        line += f"; {result['error']} {result.get('rollback_error', '')}"
+    elif result["status"] == "unreachable":
+        line += "; unreachable: left out of the router, every other server keeps serving"
+    return line
+
+
+NOT_READDED = "restarted and answers /health, but was not re-added to the router: "
+
+
+def outcomes(rollout: dict[str, Any], results: dict[str, dict[str, Any]],
+             rejoin_errors: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Each server's outcome in rollout order: its rank-0 host's step result (`results`: host -> result), or
+    "not reached" where the run stopped before it. A decode held out of the router whose re-add at the end failed
+    (`rejoin_errors`: "server: why") failed: it waits out of the router, healthy."""
+    why: dict[str, list[str]] = {}
+    for error in rejoin_errors:
+        name, _, reason = str(error).partition(": ")
+        why.setdefault(name, []).append(reason)
+    out = []
+    for name in rollout["order"]:
+        step = rollout["steps"][name]
+        o = dict(results.get(step["rank0_host"]) or {
+            "server": name, "role": step["role"], "status": "not reached", "held": False, "restarted": False,
+            "error": "", "seconds": 0})
+        if _yes(o.get("held")) and name in why:
+            o.update(status="failed", error=NOT_READDED + "; ".join(why[name]))
+        out.append(o)
+    return out
+
+
+def report(outcome: list[dict[str, Any]]) -> list[str]:
+    """The run's last word per server: status, time, and whether the PD rule restarted it."""
+    return [f"{o['server']}: {o['status']} ({o['seconds']} s"
+            + (", restarted for the PD rule" if o.get("reason") == "pd-rule" else "") + ")" for o in outcome]
+
+
+def incomplete(outcome: list[dict[str, Any]]) -> str:
+    """Why the redeploy fails ("" when every server took the change), with what the on-call engineer does next."""
+    bad = [o for o in outcome if o["status"] != "ok"]
+    if not bad:
+        return ""
+    parts = [f"{o['server']} {o['status']}" + (f" ({o['error'].split(' Last log lines:')[0]})" if o["error"] else "")
+             for o in bad]
+    text = f"redeploy incomplete: {'; '.join(parts)}. "
+    if any(o["status"] == "unreachable" for o in outcome):
+        text += "Unreachable servers stay out of the router; every other server keeps serving. "
+    if any(re.search("not re-added|not drained|draining it", o["error"]) for o in outcome):
+        text += ("Servers restarted but not re-added wait out of the router; k31 status -i INV --repair re-adds them "
+                 "(restarting their prefills first where the PD rule owes it) once the router answers. ")
+    return text + "See k31 status -i INV."

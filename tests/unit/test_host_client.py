@@ -275,6 +275,15 @@ def test_rank_0_stops_after_the_grace_and_its_requests_in_flight_read_with_the_r
         reads = len(engine.reads)
         assert call("stop", idle={**idle, "not_before": 0})[1]["idle"] == ""    # no load to read (401): nothing to wait
         assert len(engine.reads) == reads
+        # the repair's drained prefill waits the same way, with nothing stopped
+        key_file.write_text('api-key: "ek"\n')
+        engine.load, engine.reads[:] = 1, []
+        assert call("idle", load_url=url, auth_file=str(key_file), timeout=20, interval=0.2)[1] == {
+            "ok": True, "reason": "", "at": pytest.approx(time.time(), abs=30)}
+        assert len(engine.reads) == 2 and systemctl_calls() == ["stop k31-d0-r0"] * 3
+        engine.load = 50
+        rc, out = call("idle", load_url=url, auth_file=str(key_file), timeout=0.5, interval=0.2)
+        assert rc == 1 and out["reason"].startswith(f"requests were still in flight on {url} after 0.5 s")
     finally:
         engine.shutdown()
         engine.server_close()

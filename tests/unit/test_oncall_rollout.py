@@ -1,5 +1,6 @@
 """The redeploy's rollout order (k31deploy.oncall.rollout): targets, canary and batches, the seed's PD
-restart rule, when decodes wait out of the router, and the k31-pd-follow watcher's config."""
+restart rule, when decodes wait out of the router, the k31-pd-follow watcher's config, and what the run
+reports per step and at its end."""
 
 import importlib.util
 from pathlib import Path
@@ -7,7 +8,19 @@ from pathlib import Path
 import pytest
 
 from k31deploy.errors import K31Error
-from k31deploy.oncall.rollout import follow_config, rollout, step_files, step_mode, step_status
+from k31deploy.oncall.rollout import (
+    follow_config,
+    held,
+    hold_now,
+    incomplete,
+    outcomes,
+    report,
+    rollout,
+    step_files,
+    step_mode,
+    step_report,
+    step_status,
+)
 from k31deploy.recipe import resolve
 from k31deploy.recipe.hosts import from_mapping
 
@@ -178,11 +191,94 @@ def test_a_steps_status(mode, reachable, went, failed, rollback_failed, status):
     assert step_status(mode, reachable, went, failed, rollback_failed) == status
 
 
-def test_the_status_filter_reads_booleans_set_fact_handed_over_as_text():
+def filters():
     path = Path(__file__).resolve().parents[2] / "roles/k31_redeploy/filter_plugins/k31_redeploy.py"
     spec = importlib.util.spec_from_file_location("k31_redeploy_filters", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_status_filter_reads_booleans_set_fact_handed_over_as_text():
+    mod = filters()
     assert mod.k31_redeploy_step_status("rollout", "True", "False", "True", []) == "failed"
     assert mod.k31_redeploy_step_status("rollout", "True", "True", "False", []) == "ok"
     assert mod.k31_redeploy_step_status("rollout", True, True, True, ["it failed too"]) == "failed"
+
+
+def result(rollout_, name, status="ok", **extra):
+    step = rollout_["steps"][name]
+    return {"host": step["rank0_host"], "server": name, "role": step["role"], "reason": step["reason"],
+            "status": status, "restarted": status in ("ok", "rolled_back"), "held": False, "error": "",
+            "rollback_error": "", "seconds": 4.6, **extra}
+
+
+def test_a_step_holds_the_watchers_of_prefills_not_yet_restarted_and_only_in_pd():
+    r = rollout(pd_plan(), ["d0"])
+    assert hold_now(r, []) == ["p0", "p1"]
+    done = [result(r, "d0"), result(r, "p0")]
+    assert hold_now(r, done) == ["p1"]
+    assert hold_now(r, [{**done[1], "restarted": "False"}]) == ["p0", "p1"]    # set_fact's text for False
+    assert hold_now(rollout(unified_plan()), []) == []
+
+
+def test_decodes_wait_out_of_the_router_only_when_they_came_back_and_prefills_follow():
+    r = rollout(pd_plan(), ["d0"])
+    decode = r["steps"]["d0"]
+    assert held(decode, r, "ok") and held(decode, r, "rolled_back")
+    assert not held(decode, r, "failed") and not held(r["steps"]["p0"], r, "ok")
+    assert not held(decode, {**r, "hold_decodes": False}, "ok")
+
+
+@pytest.mark.parametrize("status, extra, line", [
+    ("ok", {}, "d0: ok in 4.6 s"),
+    ("ok", {"held": True}, "d0: ok in 4.6 s (held out of the router until its prefills restarted)"),
+    ("rolled_back", {"error": "k31-d0-r0 did not answer /health within 10 s"},
+     "d0: rolled_back in 4.6 s; rolled back to the previous unit, env file and launch script, which serve "
+     "again. Why: k31-d0-r0 did not answer /health within 10 s"),
+    ("failed", {"error": "the gate failed.", "rollback_error": "the rollback failed."},
+     "d0: failed in 4.6 s; the gate failed. the rollback failed."),
+    ("unreachable", {}, "d0: unreachable in 4.6 s; unreachable: left out of the router, every other server "
+                        "keeps serving"),
+    ("skipped", {}, "d0: skipped in 4.6 s"),
+])
+def test_each_step_reports_one_line(status, extra, line):
+    r = rollout(pd_plan(), ["d0"])
+    assert step_report(result(r, "d0", status, **extra)) == line
+    assert filters().k31_redeploy_step_report(result(r, "d0", status, **extra)) == line
+
+
+def test_the_end_of_the_run_reports_every_server_in_order_and_what_to_do_next():
+    r = rollout(pd_plan(), ["d0"])
+    ok = {"d0": result(r, "d0", held=True), "p0": result(r, "p0")}
+    got = outcomes(r, ok)
+    assert [o["server"] for o in got] == ["d0", "p0", "p1"]
+    assert [o["status"] for o in got] == ["ok", "ok", "not reached"]
+    assert report(got) == ["d0: ok (4.6 s)", "p0: ok (4.6 s, restarted for the PD rule)",
+                           "p1: not reached (0 s)"]
+    assert incomplete(got) == "redeploy incomplete: p1 not reached. See k31 status -i INV."
+    every = {**ok, "p1": result(r, "p1")}
+    assert incomplete(outcomes(r, every)) == ""
+    # a held decode the router did not take back at the end failed, and the message says what re-adds it
+    got = outcomes(r, every, ["d0: POST /workers answered 503", "p9: never mind"])
+    assert got[0]["status"] == "failed"
+    assert got[0]["error"] == ("restarted and answers /health, but was not re-added to the router: "
+                               "POST /workers answered 503")
+    assert incomplete(got) == (
+        "redeploy incomplete: d0 failed (restarted and answers /health, but was not re-added to the router: "
+        "POST /workers answered 503). Servers restarted but not re-added wait out of the router; k31 status -i INV "
+        "--repair re-adds them (restarting their prefills first where the PD rule owes it) once the router answers. "
+        "See k31 status -i INV.")
+    # an unreachable host, and a rolled-back server whose journal is left out of the summary
+    bad = {**every, "d0": result(r, "d0", "unreachable"),
+           "p0": result(r, "p0", "rolled_back", error="gate failed. Last log lines: boom")}
+    assert incomplete(outcomes(r, bad)) == (
+        "redeploy incomplete: d0 unreachable; p0 rolled_back (gate failed.). Unreachable servers stay out "
+        "of the router; every other server keeps serving. See k31 status -i INV.")
+
+
+def test_the_results_filter_reads_each_hosts_step_result_in_rollout_order():
+    r = rollout(pd_plan(), ["d0"])
+    hostvars = {"p0": {"_k31_redeploy_result": result(r, "p0")}, "d0": {"_k31_redeploy_result": result(
+        r, "d0")}, "p1": {}}
+    assert list(filters().k31_redeploy_results(r, hostvars)) == ["d0", "p0"]

@@ -1,6 +1,6 @@
-"""Role filters: the redeploy's rollout order, the k31-pd-follow watcher's config, and the repair of an
-interrupted redeploy (its lock and its decisions), from the plan (rules in k31deploy.oncall.rollout and
-k31deploy.oncall.recover)."""
+"""Role filters: the redeploy's rollout order, its steps' decisions and its report, the k31-pd-follow watcher's
+config, and the repair of an interrupted redeploy (its lock and its decisions), from the plan (rules in
+k31deploy.oncall.rollout and k31deploy.oncall.recover)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ansible.module_utils.parsing.convert_bool import boolean
 try:
     from k31deploy.errors import K31Error
     from k31deploy.oncall import gather, recover
+    from k31deploy.oncall import rollout as steps
     from k31deploy.oncall.rollout import follow_config, rollout, server_step, step_files, step_mode, step_status
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
@@ -107,9 +108,47 @@ def k31_redeploy_step_status(mode: str, reachable: Any, went: Any, failed: Any, 
                        boolean(failed, strict=False), bool(rollback_failed))
 
 
+def k31_redeploy_results(rollout: dict[str, Any], hostvars: Any) -> dict[str, dict[str, Any]]:
+    """The step results recorded so far (server.yml's _k31_redeploy_result), host -> result, in rollout order."""
+    out = {}
+    for host in rollout["hosts"]:
+        try:
+            out[host] = dict(hostvars[host]["_k31_redeploy_result"])
+        except (KeyError, TypeError):
+            continue
+    return out
+
+
+def k31_redeploy_hold_now(rollout: dict[str, Any], done: list[dict[str, Any]]) -> list[str]:
+    return steps.hold_now(rollout, list(done))
+
+
+def k31_redeploy_held(step: dict[str, Any], rollout: dict[str, Any], status: str) -> bool:
+    return steps.held(step, rollout, str(status))
+
+
+def k31_redeploy_step_report(result: dict[str, Any]) -> str:
+    return steps.step_report(dict(result))
+
+
+def k31_redeploy_outcomes(rollout: dict[str, Any], results: dict[str, dict[str, Any]],
+                          rejoin_errors: Any = None) -> list[dict[str, Any]]:
+    return steps.outcomes(rollout, dict(results), list(rejoin_errors or []))
+
+
+def k31_redeploy_report(outcomes: list[dict[str, Any]]) -> list[str]:
+    return steps.report(list(outcomes))
+
+
+def k31_redeploy_incomplete(outcomes: list[dict[str, Any]]) -> str:
+    return steps.incomplete(list(outcomes))
+
+
 class FilterModule:
     def filters(self):
         return {f.__name__: f for f in (
             k31_redeploy_rollout, k31_redeploy_follow_config, k31_redeploy_recover_spec, k31_redeploy_lock_owner,
             k31_redeploy_lock_renew, k31_redeploy_lock_text, k31_redeploy_lock_verdict, k31_redeploy_recover_answers,
-            k31_redeploy_recovery, k31_redeploy_step_mode, k31_redeploy_step_files, k31_redeploy_step_status)}
+            k31_redeploy_recovery, k31_redeploy_step_mode, k31_redeploy_step_files, k31_redeploy_step_status,
+            k31_redeploy_results, k31_redeploy_hold_now, k31_redeploy_held, k31_redeploy_step_report,
+            k31_redeploy_outcomes, k31_redeploy_report, k31_redeploy_incomplete)}
