@@ -15,6 +15,7 @@ try:
     from k31deploy import address, envfile, imagearchive, launch, staging, stamp
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import config as monitoring
+    from k31deploy.monitoring import converge
     from k31deploy.paths import state_dir
     from k31deploy.recipe import from_mapping, resolve
     from k31deploy.recipe.hosts import K31_GROUPS, serves_image
@@ -227,6 +228,25 @@ def k31_monitoring_ready_urls(plan: dict[str, Any], host: str) -> list[str]:
     return monitoring.ready_urls(plan, host)
 
 
+def k31_monitoring_host_state(lines: list[str], files: dict[str, str], units: Any) -> dict[str, Any]:
+    """What the monitoring probe found against the plan: stale files, missing packages, idle units, the
+    certificate copies (k31deploy.monitoring.converge)."""
+    return converge.host_state([str(line) for line in lines], dict(files), list(units))
+
+
+def k31_monitoring_folders(files: Any) -> list[dict[str, str]]:
+    return converge.folders(list(files))
+
+
+def k31_monitoring_writes(stale: list[str], files: dict[str, str]) -> list[dict[str, str]]:
+    return converge.writes(list(stale), dict(files))
+
+
+def k31_monitoring_unit_actions(units: Any, written: Any, tls_written: Any, secret_written: Any) -> list[dict]:
+    """Restart, reload or start each unit for what the run wrote (k31deploy.monitoring.converge)."""
+    return converge.unit_actions(list(units), list(written or []), list(tls_written or []), bool(secret_written))
+
+
 def k31_stamp_inputs(plan: dict[str, Any], hostvars: Any, hosts: list[str], playbook_dir: str,
                      wheelhouse: str) -> str:
     """The digest of a deploy's inputs (k31deploy.stamp): the plan, the hosts' k31_* variables, k31's code
@@ -260,6 +280,9 @@ class FilterModule:
                 "k31_start_env": k31_start_env,
                 "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
+                "k31_monitoring_host_state": k31_monitoring_host_state,
+                "k31_monitoring_folders": k31_monitoring_folders, "k31_monitoring_writes": k31_monitoring_writes,
+                "k31_monitoring_unit_actions": k31_monitoring_unit_actions,
                 "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
                 "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
 

@@ -1,0 +1,66 @@
+"""What k31_monitoring changes on a host, from one read-only probe of it (roles/k31_monitoring/tasks/services.yml):
+the files whose digest differs from the plan's, the packages missing, the units not enabled and running, and
+then which units restart (new arguments or certificates), reload (new configuration) or only start.
+
+Layer: consumers (docs/architecture.md); pure Python over the probe's lines and config.files()'s output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+OURS = "/etc/k31/monitoring"     # k31's own configuration: readable by group prometheus only
+ARGS = "/etc/default/"           # each unit's arguments: a change restarts the unit
+NO_RELOAD = ("prometheus-node-exporter",)   # reads only its arguments; Debian's unit has no ExecReload
+_DIGEST = re.compile(r"^([0-9a-f]{64})  (/.*)$")
+
+
+def host_state(lines: Iterable[str], files: Mapping[str, str], units: Iterable[str]) -> dict[str, Any]:
+    """The probe's lines (`installed U`, `unit U ENABLED ACTIVE`, sha256sum's `DIGEST  PATH`, `tls-stale NAME`,
+    `pki-present`) against the plan's files and units: {stale: paths to write, missing: packages to install,
+    idle: units not enabled and active, tls_stale, pki_present}."""
+    lines = list(lines)
+    have = {m[2]: m[1] for m in map(_DIGEST.match, lines) if m}
+    installed = {line.split(" ", 1)[1] for line in lines if line.startswith("installed ")}
+    return {
+        "stale": [p for p, text in files.items() if have.get(p) != hashlib.sha256(text.encode()).hexdigest()],
+        "missing": [u for u in units if u not in installed],
+        "idle": [line.split(" ")[1] for line in lines
+                 if line.startswith("unit ") and not re.fullmatch(r"unit \S+ enabled active", line)],
+        "tls_stale": any(line.startswith("tls-stale ") for line in lines),
+        "pki_present": "pki-present" in lines,
+    }
+
+
+def _ours(path: str) -> bool:
+    return path == OURS or path.startswith(OURS + "/")
+
+
+def folders(files: Iterable[str]) -> list[dict[str, str]]:
+    """The folders the files go in (and the certificate copies' and the textfile collector's), k31's own
+    readable by group prometheus only; /etc/default is the distribution's."""
+    paths = {OURS, f"{OURS}/tls", "/var/lib/k31/textfile"}
+    paths.update(p.rsplit("/", 1)[0] for p in files if not p.startswith(ARGS))
+    return [{"path": p, "mode": "0750" if _ours(p) else "0755", "group": "prometheus" if _ours(p) else "root"}
+            for p in sorted(paths)]
+
+
+def writes(stale: Iterable[str], files: Mapping[str, str]) -> list[dict[str, str]]:
+    """library/k31_files.py's entries for the stale files: k31's configuration 0640 group prometheus, the rest
+    (the units' arguments) 0644 root."""
+    return [{"dest": p, "content": files[p], "group": "prometheus" if _ours(p) else "root",
+             "mode": "0640" if _ours(p) else "0644"} for p in stale]
+
+
+def unit_actions(units: Iterable[str], written: Iterable[str], tls_written: Iterable[str],
+                 secret_written: bool) -> list[dict[str, str]]:
+    """library/k31_services.py's entries: new arguments (/etc/default) or certificates restart every unit, new
+    configuration reloads them (the node exporter starts only), otherwise each is only made to run."""
+    written = list(written)
+    restart = any(p.startswith(ARGS) for p in written) or any(re.fullmatch(r".*/tls/.+", p) for p in tls_written)
+    reload = bool(written) or bool(secret_written)
+    return [{"name": u, "state": "restarted" if restart else
+             "reloaded" if reload and u not in NO_RELOAD else "started"} for u in units]

@@ -1,0 +1,74 @@
+"""What k31_monitoring changes on a host from its one read-only probe (k31deploy.monitoring.converge): a re-run
+that finds everything in place changes nothing, a file edited by hand is written back, new arguments or
+certificates restart, new configuration reloads."""
+
+import hashlib
+
+from k31deploy.monitoring.converge import folders, host_state, unit_actions, writes
+
+FILES = {
+    "/etc/k31/monitoring/prometheus.yml": "global: {}\n",
+    "/etc/k31/monitoring/rules/k31.yml": "groups: []\n",
+    "/etc/default/prometheus": 'ARGS="--config.file=/etc/k31/monitoring/prometheus.yml"\n',
+}
+UNITS = {"prometheus": "--config.file=...", "prometheus-node-exporter": "--web.listen-address=..."}
+
+
+def digest(text):
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def probe(files=FILES, units=("prometheus", "prometheus-node-exporter"), states=None, extra=()):
+    lines = []
+    for u in units:
+        lines += [f"installed {u}", f"unit {u} {(states or {}).get(u, 'enabled active')}"]
+    lines += [f"{digest(text)}  {path}" for path, text in files.items()]
+    return [*lines, "pki-present", *extra]
+
+
+def test_a_host_that_has_everything_changes_nothing():
+    assert host_state(probe(), FILES, UNITS) == {"stale": [], "missing": [], "idle": [], "tls_stale": False,
+                                                 "pki_present": True}
+
+
+def test_a_fresh_host_gets_every_file_package_and_unit():
+    state = host_state(["unit prometheus disabled inactive", "unit prometheus-node-exporter  "], FILES, UNITS)
+    assert state == {"stale": list(FILES), "missing": list(UNITS),
+                     "idle": ["prometheus", "prometheus-node-exporter"], "tls_stale": False, "pki_present": False}
+
+
+def test_a_file_edited_by_hand_or_gone_is_written_again_and_a_stopped_unit_is_noticed():
+    edited = {**FILES, "/etc/k31/monitoring/prometheus.yml": "global: {scrape_interval: 1h}\n"}
+    del edited["/etc/default/prometheus"]
+    state = host_state(probe(edited, states={"prometheus": "enabled failed"}, extra=["tls-stale host.key"]),
+                       FILES, UNITS)
+    assert state["stale"] == ["/etc/k31/monitoring/prometheus.yml", "/etc/default/prometheus"]
+    assert state["idle"] == ["prometheus"] and state["tls_stale"] and state["missing"] == []
+
+
+def test_k31s_configuration_is_for_group_prometheus_only_and_the_arguments_are_the_distributions():
+    assert folders(FILES) == [
+        {"path": "/etc/k31/monitoring", "mode": "0750", "group": "prometheus"},
+        {"path": "/etc/k31/monitoring/rules", "mode": "0750", "group": "prometheus"},
+        {"path": "/etc/k31/monitoring/tls", "mode": "0750", "group": "prometheus"},
+        {"path": "/var/lib/k31/textfile", "mode": "0755", "group": "root"},
+    ]
+    assert writes(["/etc/default/prometheus", "/etc/k31/monitoring/prometheus.yml"], FILES) == [
+        {"dest": "/etc/default/prometheus", "content": FILES["/etc/default/prometheus"], "group": "root",
+         "mode": "0644"},
+        {"dest": "/etc/k31/monitoring/prometheus.yml", "content": "global: {}\n", "group": "prometheus",
+         "mode": "0640"},
+    ]
+
+
+def test_arguments_or_certificates_restart_configuration_reloads_and_otherwise_units_only_start():
+    def states(*args):
+        return [a["state"] for a in unit_actions(UNITS, *args)]
+
+    assert states([], [], False) == ["started", "started"]
+    assert states(["/etc/k31/monitoring/prometheus.yml"], [], False) == ["reloaded", "started"]
+    assert states([], [], True) == ["reloaded", "started"]     # only Alertmanager's file (receivers' keys)
+    assert states(["/etc/default/prometheus"], [], False) == ["restarted", "restarted"]
+    assert states([], ["/etc/k31/monitoring/tls/host.crt"], False) == ["restarted", "restarted"]
+    assert states([], ["/etc/k31/monitoring/tls"], False) == ["started", "started"]    # the folder, not a copy
+    assert [a["name"] for a in unit_actions(UNITS, [], [], False)] == list(UNITS)
