@@ -81,3 +81,46 @@ def from_controller(hosts: Iterable[str], need: Iterable[str], hold: Iterable[st
     have = holders or [seed]
     plan = rounds([h for h in hosts if h in have or h in receivers], seed, have)
     return {"seed": seed, "controller": not holders, **plan}
+
+
+# -- the weights' copy on each host (roles/k31_model) ---------------------------------------------------------------
+
+VERIFIED = "/var/lib/k31/verified"    # the manifest each copy last checked out against (a re-run hashes nothing)
+
+
+def stage_items(wanted: Iterable[dict[str, Any]], source: str) -> dict[str, Any]:
+    """What k31_model stages on a host: {items, why_not}. `wanted` is the model and, with DFLASH, the draft, each
+    {name, dest (the plan's path), src (its source directory), repo, manifest}; an item is staged where its dest is
+    an absolute path and, unless it comes from the hub, it has a source directory. Each staged item also carries
+    `sums` (its manifest, by default SHA256SUMS in the copy) and `stamp` (where its last verified manifest's digest
+    is kept)."""
+    wanted = list(wanted)
+    if not source:
+        return {"items": [],
+                "why_not": ["k31_model_source is unset: engines read model_path as it is (nothing staged)"]}
+    local = [w for w in wanted if str(w.get("dest") or "").startswith("/")]
+    why_not = [f"{w['name']}: its path in the plan is not a local directory" for w in wanted if w not in local]
+    if source != "hub":
+        why_not += [f"{w['name']}: no source directory (k31_model_source_dir, k31_model_draft_source_dir)"
+                    for w in local if not w.get("src")]
+        local = [w for w in local if w.get("src")]
+    items = [{**w, "sums": w.get("manifest") or f"{w['dest']}/SHA256SUMS",
+              "stamp": f"{VERIFIED}/{w['dest'].replace('/', '_')}.sha256"} for w in local]
+    return {"items": items, "why_not": why_not}
+
+
+def differing(results: Iterable[dict[str, Any]]) -> list[str]:
+    """The items an itemized rsync dry run (a looped task's results) found different from the source: any line
+    but a directory's timestamp (`.d`)."""
+    return [r["item"]["name"] for r in results
+            if not r.get("skipped") and any(not line.startswith(".d") for line in r.get("stdout_lines") or [])]
+
+
+def peer_args(me: dict[str, Any], items: Iterable[dict[str, Any]], pending: Iterable[str], seed: str) -> list[str]:
+    """k31-stage-from-peer.sh's item arguments for one host of the tree (`me`: rounds()'s entry for it): per item
+    that differs, SRC/ DEST/ MANIFEST STAMP. A host fed by the seed reads the seed's source directory, one fed by a
+    peer the copy that peer staged (at the same path)."""
+    from_seed = me.get("source", "") == seed
+    pending = set(pending)
+    return [arg for i in items if i["name"] in pending
+            for arg in ((i["src"] if from_seed else i["dest"]) + "/", i["dest"] + "/", i["sums"], i["stamp"])]

@@ -13,7 +13,7 @@ from ansible.errors import AnsibleFilterError
 
 from k31deploy.errors import K31Error
 from k31deploy.recipe import from_mapping, resolve
-from k31deploy.staging import from_controller, rounds
+from k31deploy.staging import differing, from_controller, peer_args, rounds, stage_items
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("k31_staging_filters",
@@ -92,6 +92,47 @@ def test_filter_and_its_doc():
     assert FILTERS["k31_model_rounds"](hosts(2), "n0") == rounds(hosts(2), "n0")
     for name in FILTERS:
         assert (ROOT / "roles/k31_model/filter_plugins" / f"{name}.yml").is_file(), name
+
+
+MODEL = {"name": "model", "dest": "/models/k3", "src": "/srv/k3", "repo": "moonshotai/Kimi-K3.1-Pro", "manifest": ""}
+DRAFT = {"name": "draft", "dest": "/models/draft", "src": "", "repo": "z-lab/draft", "manifest": "/srv/draft.sums"}
+
+
+def test_what_a_host_stages_and_why_not():
+    got = stage_items([MODEL, DRAFT], "path")
+    assert got["items"] == [{**MODEL, "sums": "/models/k3/SHA256SUMS",
+                             "stamp": "/var/lib/k31/verified/_models_k3.sha256"}]
+    assert got["why_not"] == ["draft: no source directory (k31_model_source_dir, k31_model_draft_source_dir)"]
+    # the hub needs no source directory; a manifest given is the one checked
+    got = stage_items([MODEL, DRAFT], "hub")
+    assert [(i["name"], i["sums"]) for i in got["items"]] == [("model", "/models/k3/SHA256SUMS"),
+                                                               ("draft", "/srv/draft.sums")]
+    assert got["why_not"] == []
+    relative = {**MODEL, "dest": "moonshotai/Kimi-K3.1-Pro"}
+    assert stage_items([relative], "rsync") == {
+        "items": [], "why_not": ["model: its path in the plan is not a local directory"]}
+    assert stage_items([MODEL], "") == {
+        "items": [], "why_not": ["k31_model_source is unset: engines read model_path as it is (nothing staged)"]}
+    assert FILTERS["k31_model_stage_items"]([MODEL], "path") == stage_items([MODEL], "path")
+
+
+def test_an_rsync_dry_run_that_lists_only_directory_times_found_nothing_to_copy():
+    results = [{"item": MODEL, "stdout_lines": [".d..t...... ./"]},
+               {"item": DRAFT, "stdout_lines": [".d..t...... ./", ">f+++++++++ model.safetensors"]},
+               {"item": {"name": "other"}, "skipped": True}]
+    assert differing(results) == ["draft"] == FILTERS["k31_model_differing"](results)
+    assert differing([{"item": MODEL, "stdout_lines": []}]) == []
+
+
+def test_a_host_fed_by_the_seed_reads_its_source_and_one_fed_by_a_peer_reads_the_peers_copy():
+    items = stage_items([MODEL, {**DRAFT, "src": "/srv/draft"}], "rsync")["items"]
+    from_seed = peer_args({"round": 1, "source": "n0", "after": []}, items, ["model", "draft"], "n0")
+    assert from_seed == ["/srv/k3/", "/models/k3/", "/models/k3/SHA256SUMS", "/var/lib/k31/verified/_models_k3.sha256",
+                         "/srv/draft/", "/models/draft/", "/srv/draft.sums",
+                         "/var/lib/k31/verified/_models_draft.sha256"]
+    from_peer = FILTERS["k31_model_peer_args"]({"round": 2, "source": "n1", "after": ["n1"]}, items, ["draft"], "n0")
+    assert from_peer == ["/models/draft/", "/models/draft/", "/srv/draft.sums",
+                         "/var/lib/k31/verified/_models_draft.sha256"]
 
 
 def test_fanout_knob_is_validated_with_its_choices():
