@@ -279,10 +279,36 @@ def decide(plan: dict[str, Any], answers: dict[str, dict[str, Any]], now: float 
     held = holds(answers, now)
     release = sorted(held)
     doc = {"states": states, "start": start, "wait": wait, "restart": sorted(stale), "stale": stale,
-           "readd": readd, "release": release, "holds": held, "left": left}
+           "readd": readd, "release": release, "holds": held, "left": left,
+           # the ranks to start, as (host, unit), rank 0 first
+           "start_ranks": [[r["host"], r["unit"]] for srv in plan["servers"] if srv["name"] in start
+                           for r in srv["ranks"]]}
     doc["nothing"] = not (start or wait or stale or readd or release)
     doc["summary"] = summary(doc)
     return doc
+
+
+def readd_now(doc: dict[str, Any], failed: list[str]) -> list[str]:
+    """The servers the repair re-adds once its prefill restarts ran: all of `readd`, but no decode when one of
+    those restarts failed (`failed`: a prefill may still map the decode's old KV: the decodes wait out)."""
+    if not failed:
+        return list(doc["readd"])
+    return [n for n in doc["readd"] if doc["states"][n]["role"] != "decode"]
+
+
+def release_now(doc: dict[str, Any], prefill_hosts: list[str]) -> list[str]:
+    """Hosts whose k31-pd-follow hold the repair removes: those it found, and every prefill host it held itself
+    while restarting prefills."""
+    return list(dict.fromkeys(doc["release"] + (list(prefill_hosts) if doc["restart"] else [])))
+
+
+def incomplete(doc: dict[str, Any], failed: list[str]) -> str:
+    """Why the repair fails ("" when it brought everything back), one sentence."""
+    why = list(failed) + [f"{x['server']}: {x['why']}" for x in doc["left"]]
+    if not why:
+        return ""
+    tail = "; decodes left out of the router until their prefills restart" if failed else ""
+    return f"repair incomplete: {'; '.join(why)}{tail}. See k31 status -i INV."
 
 
 def summary(doc: dict[str, Any]) -> list[str]:

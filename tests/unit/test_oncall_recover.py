@@ -124,6 +124,34 @@ def test_loading_and_stopped_servers_come_first_and_nothing_else_is_decided_mean
     assert todo["start"] == [] and todo["wait"] == []
 
 
+def test_the_repair_starts_every_rank_of_a_stopped_server():
+    answers = fleet()
+    answers["d0"]["units"]["k31-d0-r0"]["active"] = "inactive"
+    assert recover.decide(plan(), answers, now=NOW)["start_ranks"] == [["d0", "k31-d0-r0"]]
+    assert recover.decide(plan(), fleet(), now=NOW)["start_ranks"] == []
+
+
+def test_a_failed_prefill_restart_keeps_the_decodes_out_and_fails_the_repair_naming_it():
+    todo = recover.decide(plan(), fleet(started={"d1": NOW - 60, "p0": NOW - 40, "p1": NOW - 20}, out=("d1", "p1")),
+                          now=NOW)
+    assert recover.readd_now(todo, []) == ["p1", "d1"]
+    assert recover.readd_now(todo, ["p0: restart failed: boom"]) == ["p1"]
+    assert recover.incomplete(todo, []) == ""
+    assert recover.incomplete(todo, ["p0: restart failed: boom"]) == (
+        "repair incomplete: p0: restart failed: boom; decodes left out of the router until their prefills restart. "
+        "See k31 status -i INV.")
+    left = recover.decide(plan(), fleet(health={"d0": 503}, out=("d0",)), now=NOW, health_timeout=600)
+    assert recover.incomplete(left, []) == "repair incomplete: d0: rank 0 /health answers 503 after 1000 s. See " \
+        "k31 status -i INV."
+
+
+def test_the_repair_releases_the_holds_it_found_and_those_it_took_to_restart_prefills():
+    todo = recover.decide(plan(), interrupted(), now=NOW)
+    assert recover.release_now(todo, ["p0", "p1", "p2"]) == ["p0", "p1", "p2"]
+    found_only = recover.decide(plan(), fleet(held=("p1",)), now=NOW)
+    assert recover.release_now(found_only, ["p0", "p1"]) == ["p1"]
+
+
 def test_broken_and_unreachable_servers_are_left_and_said_so():
     answers = fleet(out=("d0", "d1"), health={"d0": 503}, active={"p1": "failed"})
     answers["d1"] = {"unreachable": "no route to host"}

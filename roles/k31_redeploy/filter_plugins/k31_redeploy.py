@@ -93,6 +93,18 @@ def k31_redeploy_recovery(plan: dict[str, Any], answers: dict[str, Any], health_
     return recover.decide(plan, answers, health_timeout=float(health_timeout), skip=list(skip or []))
 
 
+def k31_redeploy_readd_now(rec: dict[str, Any], failed: Any = None) -> list[str]:
+    return recover.readd_now(dict(rec), list(failed or []))
+
+
+def k31_redeploy_release_now(rec: dict[str, Any], prefill_hosts: Any) -> list[str]:
+    return recover.release_now(dict(rec), list(prefill_hosts or []))
+
+
+def k31_redeploy_repair_incomplete(rec: dict[str, Any], failed: Any = None) -> str:
+    return recover.incomplete(dict(rec), list(failed or []))
+
+
 def k31_redeploy_step_mode(step: dict[str, Any], done: list[dict[str, Any]]) -> str:
     """rollout | restart (the PD rule after a failure) | skip, from the results of the steps before."""
     return step_mode(step, list(done))
@@ -151,4 +163,5 @@ class FilterModule:
             k31_redeploy_lock_renew, k31_redeploy_lock_text, k31_redeploy_lock_verdict, k31_redeploy_recover_answers,
             k31_redeploy_recovery, k31_redeploy_step_mode, k31_redeploy_step_files, k31_redeploy_step_status,
             k31_redeploy_results, k31_redeploy_hold_now, k31_redeploy_held, k31_redeploy_step_report,
-            k31_redeploy_outcomes, k31_redeploy_report, k31_redeploy_incomplete)}
+            k31_redeploy_outcomes, k31_redeploy_report, k31_redeploy_incomplete, k31_redeploy_readd_now,
+            k31_redeploy_release_now, k31_redeploy_repair_incomplete)}
