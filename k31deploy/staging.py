@@ -1,5 +1,6 @@
 """Tree fan-out for staging the weights (k31_model_fanout=tree) and the serving image's archive
-(k31_image_fanout=tree): which host copies from which, round by round.
+(k31_image_fanout=tree): which host copies from which, round by round; and what k31_model stages on a host, what
+its rsync dry run found different and the peer-copy job's arguments (stage_items, differing, peer_args).
 
 Every host that holds a verified copy is a source. In round r each source hands the model to one host that
 lacks it, so the number of holders doubles each round: N hosts take about log2(N + 1) rounds instead of N
