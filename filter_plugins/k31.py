@@ -285,7 +285,6 @@ class FilterModule:
                 "k31_monitoring_unit_actions": k31_monitoring_unit_actions,
                 "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
                 "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
-
                 "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,
                 "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds,
                 "k31_over_ssh": k31_over_ssh}

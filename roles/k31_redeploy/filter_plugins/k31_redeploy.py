@@ -13,8 +13,20 @@ from ansible.module_utils.parsing.convert_bool import boolean
 try:
     from k31deploy.errors import K31Error
     from k31deploy.oncall import gather, recover
-    from k31deploy.oncall import rollout as steps
-    from k31deploy.oncall.rollout import follow_config, rollout, server_step, step_files, step_mode, step_status
+    from k31deploy.oncall.rollout import (
+        follow_config,
+        held,
+        hold_now,
+        incomplete,
+        outcomes,
+        report,
+        rollout,
+        server_step,
+        step_files,
+        step_mode,
+        step_report,
+        step_status,
+    )
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -63,17 +75,21 @@ def k31_redeploy_lock_verdict(text: Any, host: str, owner: dict[str, Any] | None
     return recover.lock_verdict(str(text or ""), host, me)
 
 
+def _fact(hostvars: Any, host: str, var: str) -> dict[str, Any] | None:
+    """What `host` set or registered as `var` in an earlier play; None where it has none (skipped, left out)."""
+    try:
+        return dict(hostvars[host][var])
+    except (KeyError, TypeError):
+        return None
+
+
 def k31_redeploy_recover_answers(results: list[Any], hostvars: Any = None, var: str = "") -> dict[str, dict[str, Any]]:
     """The probe's results -> {host: its JSON | {'unreachable' | 'failed': why}}: a loop's results (item: host),
     or, with `hostvars`, the hosts named in `results` and what each registered as `var` (observe_host.yml)."""
     if hostvars is not None:
-        found = []
-        for host in results:
-            try:
-                found.append({**dict(hostvars[host][var]), "item": host})
-            except (KeyError, TypeError):
-                found.append({"item": host, "unreachable": True, "msg": "not probed (left out of the run)"})
-        results = found
+        facts = {host: _fact(hostvars, host, var) for host in results}
+        results = [{**(fact if fact is not None else {"unreachable": True, "msg": "not probed (left out of the run)"}),
+                    "item": host} for host, fact in facts.items()]
     out: dict[str, dict[str, Any]] = {}
     for res in results:
         host = res.get("item")
@@ -122,38 +138,33 @@ def k31_redeploy_step_status(mode: str, reachable: Any, went: Any, failed: Any, 
 
 def k31_redeploy_results(rollout: dict[str, Any], hostvars: Any) -> dict[str, dict[str, Any]]:
     """The step results recorded so far (server.yml's _k31_redeploy_result), host -> result, in rollout order."""
-    out = {}
-    for host in rollout["hosts"]:
-        try:
-            out[host] = dict(hostvars[host]["_k31_redeploy_result"])
-        except (KeyError, TypeError):
-            continue
-    return out
+    found = {host: _fact(hostvars, host, "_k31_redeploy_result") for host in rollout["hosts"]}
+    return {host: result for host, result in found.items() if result is not None}
 
 
 def k31_redeploy_hold_now(rollout: dict[str, Any], done: list[dict[str, Any]]) -> list[str]:
-    return steps.hold_now(rollout, list(done))
+    return hold_now(rollout, list(done))
 
 
 def k31_redeploy_held(step: dict[str, Any], rollout: dict[str, Any], status: str) -> bool:
-    return steps.held(step, rollout, str(status))
+    return held(step, rollout, str(status))
 
 
 def k31_redeploy_step_report(result: dict[str, Any]) -> str:
-    return steps.step_report(dict(result))
+    return step_report(dict(result))
 
 
 def k31_redeploy_outcomes(rollout: dict[str, Any], results: dict[str, dict[str, Any]],
                           rejoin_errors: Any = None) -> list[dict[str, Any]]:
-    return steps.outcomes(rollout, dict(results), list(rejoin_errors or []))
+    return outcomes(rollout, dict(results), list(rejoin_errors or []))
 
 
 def k31_redeploy_report(outcomes: list[dict[str, Any]]) -> list[str]:
-    return steps.report(list(outcomes))
+    return report(list(outcomes))
 
 
 def k31_redeploy_incomplete(outcomes: list[dict[str, Any]]) -> str:
-    return steps.incomplete(list(outcomes))
+    return incomplete(list(outcomes))
 
 
 class FilterModule:
