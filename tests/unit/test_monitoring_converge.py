@@ -3,8 +3,16 @@ that finds everything in place changes nothing, a file edited by hand is written
 certificates restart, new configuration reloads."""
 
 import hashlib
+import importlib.util
+from pathlib import Path
 
 from k31deploy.monitoring.converge import folders, host_state, unit_actions, writes
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("k31_filters", ROOT / "filter_plugins" / "k31.py")
+_plugin = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_plugin)
+K31_FILTERS = _plugin.FilterModule().filters()
 
 FILES = {
     "/etc/k31/monitoring/prometheus.yml": "global: {}\n",
@@ -72,3 +80,13 @@ def test_arguments_or_certificates_restart_configuration_reloads_and_otherwise_u
     assert states([], ["/etc/k31/monitoring/tls/host.crt"], False) == ["restarted", "restarted"]
     assert states([], ["/etc/k31/monitoring/tls"], False) == ["started", "started"]    # the folder, not a copy
     assert [a["name"] for a in unit_actions(UNITS, [], [], False)] == list(UNITS)
+
+
+def test_the_role_reaches_these_through_filters_each_with_its_doc_file():
+    assert K31_FILTERS["k31_monitoring_host_state"](probe(), FILES, UNITS) == host_state(probe(), FILES, UNITS)
+    assert K31_FILTERS["k31_monitoring_folders"](FILES) == folders(FILES)
+    assert K31_FILTERS["k31_monitoring_writes"](list(FILES), FILES) == writes(list(FILES), FILES)
+    assert K31_FILTERS["k31_monitoring_unit_actions"](UNITS, None, None, False) == unit_actions(UNITS, [], [], False)
+    # every filter of filter_plugins/k31.py, these included: `ansible-doc -t filter NAME` documents it
+    for name in K31_FILTERS:
+        assert (ROOT / "filter_plugins" / f"{name}.yml").is_file(), name
