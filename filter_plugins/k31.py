@@ -98,6 +98,17 @@ def k31_over_ssh(connection: str | None) -> bool:
     return imagearchive.copies_over_ssh(connection)
 
 
+def k31_ssh_addresses(hosts: list[str], hostvars: Any) -> list[str]:
+    """Where each host is reached over SSH: its ansible_host, else its inventory name (the tree staging's peers)."""
+    out = []
+    for host in hosts:
+        try:
+            out.append(str(hostvars[host]["ansible_host"]))
+        except (KeyError, TypeError):
+            out.append(str(host))
+    return out
+
+
 def k31_image_archive_sha256(tarball: str) -> str:
     """The sha256 of the controller's archive (64 hex; k31_image_fanout=tree checks each host's copy against it):
     hashed once, then remembered per path, size and mtime in the state directory (image-archives.json)."""
@@ -287,4 +298,4 @@ class FilterModule:
                 "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
                 "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,
                 "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds,
-                "k31_over_ssh": k31_over_ssh}
+                "k31_over_ssh": k31_over_ssh, "k31_ssh_addresses": k31_ssh_addresses}

@@ -268,7 +268,10 @@ def test_the_archive_schedule_refuses_strangers_and_its_filter_says_so():
     with pytest.raises(AnsibleFilterError, match=r"^error: hosts y are said"):
         K31_FILTERS["k31_image_rounds"](hosts(2), [], ["y"])
     assert K31_FILTERS["k31_image_rounds"](hosts(3), hosts(3), []) == from_controller(hosts(3), hosts(3), [])
-    for name in ("k31_image_rounds", "k31_image_archive_sha256", "k31_over_ssh"):
+    # the peers a host waits on and copies from, at their SSH address (k31_model's and k31_image's tree.yml)
+    hostvars = {"n0": {"ansible_host": "10.0.0.1"}, "n1": {}}
+    assert K31_FILTERS["k31_ssh_addresses"](["n1", "n0"], hostvars) == ["n1", "10.0.0.1"]
+    for name in ("k31_image_rounds", "k31_image_archive_sha256", "k31_over_ssh", "k31_ssh_addresses"):
         assert (ROOT / "filter_plugins" / f"{name}.yml").is_file(), name
 
 
