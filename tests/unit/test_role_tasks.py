@@ -1,0 +1,43 @@
+"""The shape of the roles' task files where it costs every host: a `block` guarded by `when` is evaluated task by
+task on every host, so a host it is not for still pays one skipped task (a forked worker) per task in it -- 43 per
+fan-out host before the container runtime, the image, the NVLink tray and the weights staging became includes.
+A larger conditional part is an `include_tasks` with that `when`: a host it is not for skips it as one task."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+MOST_TASKS_IN_A_GUARDED_BLOCK = 4
+
+
+def task_count(tasks: list[dict[str, Any]]) -> int:
+    return sum(task_count(t["block"]) + task_count(t.get("rescue") or []) + task_count(t.get("always") or [])
+               if "block" in t else 1 for t in tasks or [])
+
+
+def guarded_blocks(tasks: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for task in tasks or []:
+        if "block" in task:
+            if "when" in task:
+                yield task
+            for part in ("block", "rescue", "always"):
+                yield from guarded_blocks(task.get(part) or [])
+
+
+def test_task_count_counts_nested_blocks_and_their_rescue():
+    tasks = [{"block": [{"name": "a"}, {"block": [{"name": "b"}], "rescue": [{"name": "c"}]}]}, {"name": "d"}]
+    assert task_count(tasks) == 4
+
+
+def test_no_conditional_block_makes_every_host_skip_many_tasks():
+    files = sorted(REPO.glob("roles/*/tasks/*.yml"))
+    assert len(files) > 40
+    large = [f"{path.relative_to(REPO)}: {block.get('name')!r} ({task_count(block['block'])} tasks)"
+             for path in files for block in guarded_blocks(yaml.safe_load(path.read_text()))
+             if task_count(block["block"]) > MOST_TASKS_IN_A_GUARDED_BLOCK]
+    assert large == [], "make these includes (include_tasks with the when): " + "; ".join(large)
