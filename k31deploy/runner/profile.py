@@ -19,13 +19,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from k31deploy.runner.events import result_status
+
 # Actions that run on the controller only: no connection to the host, but still a forked worker per host.
 CONTROLLER_ACTIONS = frozenset({
     "set_fact", "debug", "assert", "fail", "meta", "include_role", "include_tasks", "import_role", "import_tasks",
     "validate_argument_spec", "include_vars", "add_host", "group_by", "set_stats", "pause", "noop"})
 KINDS = ("module", "controller", "skipped")
 _BOUNDARIES = ("playbook_on_task_start", "playbook_on_play_start", "playbook_on_stats")
-_HOST_END = ("runner_on_ok", "runner_on_failed", "runner_on_skipped", "runner_on_unreachable")
+# events.result_status of a host's last word on a task (not started, retrying or one loop item)
+_FINAL = frozenset({"ok", "changed", "failed", "ignored", "skipped", "unreachable"})
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,12 @@ class Profile:
 
 
 def load_events(run: Path) -> list[dict[str, Any]]:
-    """A run record's job events (`.k31/runs/ID`, or its artifacts/ID folder), in counter order."""
-    found = sorted(run.glob("job_events/*.json")) or sorted(run.glob("artifacts/*/job_events/*.json"))
+    """A run record's job events (`.k31/runs/ID`, or its artifacts/ID folder); profile() orders them."""
+    found = list(run.glob("job_events/*.json")) or list(run.glob("artifacts/*/job_events/*.json"))
     if not found:
         raise FileNotFoundError(f"{run} holds no job events (a run record of k31 deploy, redeploy, ... is "
                                 ".k31/runs/ID)")
-    return sorted((json.loads(p.read_text()) for p in found), key=lambda e: e["counter"])
+    return [json.loads(p.read_text()) for p in found]
 
 
 def _at(event: dict[str, Any]) -> datetime:
@@ -83,8 +86,9 @@ def profile(events: list[dict[str, Any]]) -> Profile:
     ends: dict[str, dict[str, str]] = {}
     for e in events:
         data = e.get("event_data", {})
-        if e["event"] in _HOST_END and data.get("task_uuid"):
-            ends.setdefault(data["task_uuid"], {})[data.get("host", "")] = e["event"]
+        status = result_status(e)
+        if status in _FINAL and data.get("task_uuid"):
+            ends.setdefault(data["task_uuid"], {})[data.get("host", "")] = status
     marks = [e for e in events if e["event"] in _BOUNDARIES]
     seen: Counter[tuple[str, str, str]] = Counter()
     tasks = []
@@ -94,7 +98,7 @@ def profile(events: list[dict[str, Any]]) -> Profile:
         data = start["event_data"]
         action = _short(data.get("task_action") or data.get("resolved_action"))
         hosts = ends.get(data.get("task_uuid", ""), {})
-        if hosts and all(v == "runner_on_skipped" for v in hosts.values()):
+        if hosts and all(v == "skipped" for v in hosts.values()):
             kind = "skipped"
         elif action in CONTROLLER_ACTIONS or not hosts:
             kind = "controller"
