@@ -6,10 +6,18 @@ systemctl calls) per unit and host; a deploy starts or restarts a handful of uni
 unit's enabled and active states with one `systemctl show`, reloads systemd once when asked, then enables, starts,
 restarts or reloads each unit as its state says -- `restarted` and `reloaded` start an inactive unit instead (a unit
 just installed gets one start, not a start and then a restart) -- and reports which units it acted on. Check mode
-reports what it would do and does nothing.
+reports what it would do and does nothing. With `wait` it then polls the units' HTTPS endpoints with the host's
+cluster certificate until each answers 200, in the same run (a uri task looped over them costs one more module run
+per host and endpoint, and deploys start every host's units at once).
 """
 
 from __future__ import annotations
+
+import http.client
+import ssl
+import time
+import urllib.error
+import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -34,6 +42,17 @@ options:
     description: Run systemctl daemon-reload first (a unit file changed).
     type: bool
     default: false
+  wait:
+    description: >-
+      After the units: HTTPS URLs that must answer 200 within C(timeout) seconds, fetched with mutual TLS (C(ca)
+      verifies the server, C(cert) and C(key) are the client's). Skipped under --check.
+    type: dict
+    suboptions:
+      urls: {description: The URLs., type: list, elements: str, default: []}
+      ca: {description: The CA certificate that verifies the servers., type: str, required: true}
+      cert: {description: The client certificate., type: str, required: true}
+      key: {description: The client key., type: str, required: true}
+      timeout: {description: Seconds to wait for all of them., type: int, default: 60}
 """
 
 RETURN = r"""
@@ -41,6 +60,10 @@ acted:
   description: The units enabled, started, restarted or reloaded (under --check, those that would be), as NAME ACTION.
   type: list
   elements: str
+  returned: always
+waited:
+  description: Seconds until every URL of C(wait) answered (0 when there was nothing to wait for).
+  type: float
   returned: always
 """
 
@@ -65,6 +88,37 @@ def _states(module: AnsibleModule, names: list[str]) -> dict[str, tuple[str, str
     return dict(zip(names, states, strict=True))
 
 
+def _wait(module: AnsibleModule, spec: dict, acted: list[str]) -> float:
+    """Poll every URL until it answers 200 or spec's timeout passes; fail naming the ones that did not and why."""
+    began = time.monotonic()
+    try:
+        context = ssl.create_default_context(cafile=spec["ca"])
+        context.load_cert_chain(spec["cert"], spec["key"])
+    except OSError as e:    # ssl.SSLError is one
+        module.fail_json(msg=f"the cluster certificate to wait with cannot be loaded: {e}", acted=acted, waited=0.0)
+    pending = {url: "not asked yet" for url in spec["urls"]}
+    deadline = began + spec["timeout"]
+    while pending:
+        for url in list(pending):
+            try:
+                with urllib.request.urlopen(url, timeout=5, context=context) as resp:
+                    if resp.status == 200:
+                        del pending[url]
+                        continue
+                    pending[url] = f"HTTP {resp.status}"
+            except urllib.error.HTTPError as e:
+                pending[url] = f"HTTP {e.code}"
+            except (OSError, http.client.HTTPException) as e:    # refused, TLS, timeout, a cut answer
+                pending[url] = str(getattr(e, "reason", e)) or type(e).__name__
+        if pending and time.monotonic() >= deadline:
+            why = "; ".join(f"{url}: {reason}" for url, reason in pending.items())
+            module.fail_json(msg=f"not answering within {spec['timeout']} s: {why}", acted=acted,
+                             waited=round(time.monotonic() - began, 1))
+        if pending:
+            time.sleep(0.5)
+    return round(time.monotonic() - began, 1)
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -73,6 +127,13 @@ def main() -> None:
                 "state": {"type": "str", "choices": ["started", "restarted", "reloaded"], "default": "started"},
             }},
             "daemon_reload": {"type": "bool", "default": False},
+            "wait": {"type": "dict", "options": {
+                "urls": {"type": "list", "elements": "str", "default": []},
+                "ca": {"type": "str", "required": True},
+                "cert": {"type": "str", "required": True},
+                "key": {"type": "str", "required": True, "no_log": False},
+                "timeout": {"type": "int", "default": 60},
+            }},
         },
         supports_check_mode=True,
     )
@@ -89,9 +150,7 @@ def main() -> None:
     if module.params["daemon_reload"]:
         systemctl("daemon-reload")
         acted.append("systemd daemon-reload")
-    if not units:
-        module.exit_json(changed=bool(acted), acted=acted)
-    states = _states(module, [u["name"] for u in units])
+    states = _states(module, [u["name"] for u in units]) if units else {}
     for unit in units:
         name, want = unit["name"], unit["state"]
         enabled, active = states[name]
@@ -107,7 +166,9 @@ def main() -> None:
         elif want == "reloaded":
             systemctl("reload", "--", f"{name}.service")
             acted.append(f"{name} reloaded")
-    module.exit_json(changed=bool(acted), acted=acted)
+    wait = module.params["wait"]
+    waited = _wait(module, wait, acted) if wait and wait["urls"] and not module.check_mode else 0.0
+    module.exit_json(changed=bool(acted), acted=acted, waited=waited)
 
 
 if __name__ == "__main__":

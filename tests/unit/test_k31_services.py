@@ -1,15 +1,26 @@
 """library/k31_services.py brings a host's units to their states in one module run (k31_unit, k31_monitoring). Run
 here as Ansible runs it, against a stand-in `systemctl` on PATH that answers `show` from a state file and records
 every other call: every unit enabled; a unit not running is started, once, whatever its state asks; `restarted`
-and `reloaded` act on a running one; one daemon-reload first when asked; nothing done under --check."""
+and `reloaded` act on a running one; one daemon-reload first when asked; nothing done under --check. Its `wait`
+polls HTTPS endpoints with mutual TLS (k31_monitoring's readiness), against a loopback server that asks for a
+client certificate of the cluster CA."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import ssl
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
+from loopback import free_port
+
+from k31deploy import pki
 
 MODULE = Path(__file__).resolve().parents[2] / "library" / "k31_services.py"
 
@@ -31,7 +42,7 @@ exit 0
 
 
 def k31_services(tmp_path: Path, units: list[dict], states: dict[str, tuple[str, str]], *,
-                 daemon_reload: bool = False, check: bool = False) -> tuple[dict, list[str]]:
+                 daemon_reload: bool = False, check: bool = False, wait: dict | None = None) -> tuple[dict, list[str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "systemctl").write_text(SYSTEMCTL)
@@ -41,7 +52,8 @@ def k31_services(tmp_path: Path, units: list[dict], states: dict[str, tuple[str,
     calls.write_text("")
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {"units": units, "daemon_reload": daemon_reload,
-                                                         "_ansible_check_mode": check}}))
+                                                         "_ansible_check_mode": check,
+                                                         **({"wait": wait} if wait else {})}}))
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "K31_TEST_STATES": str(tmp_path / "states"), "K31_TEST_CALLS": str(calls)}
     done = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, env=env,
@@ -80,3 +92,80 @@ def test_a_failed_start_names_the_unit_and_what_was_done_before(tmp_path):
     result, _ = k31_services(tmp_path, [{"name": "k31-a", "state": "restarted"}, {"name": "k31-broken"}], states)
     assert result["failed"] and "k31-broken.service" in result["msg"] and "Job for" in result["msg"]
     assert result["acted"] == ["k31-a restarted"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A cluster CA, a host certificate for 127.0.0.1 and a stranger's (another CA), as files."""
+    ca = pki.new_ca()
+    files = {"ca.crt": ca.cert}
+    for name, pair in (("host", pki.issue(ca, "r0", ["127.0.0.1"])),
+                       ("stranger", pki.issue(pki.new_ca(), "stranger", ["127.0.0.1"]))):
+        files[f"{name}.crt"], files[f"{name}.key"] = pair.cert, pair.key
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    for name, text in files.items():
+        (tls / name).write_text(text)
+    return tls
+
+
+@pytest.fixture
+def mtls_server(cluster):
+    """An HTTPS server on 127.0.0.1 that takes only clients of the cluster CA; answers 200 once `ready` is set
+    (503 before), in a thread; shut down at teardown."""
+    ready = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if ready.is_set() else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(cluster / "ca.crt"))
+    context.load_cert_chain(str(cluster / "host.crt"), str(cluster / "host.key"))
+    context.verify_mode = ssl.CERT_REQUIRED
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"https://127.0.0.1:{server.server_address[1]}/metrics", ready
+    server.shutdown()
+    server.server_close()
+
+
+def wait_spec(tls: Path, urls: list[str], client: str = "host", timeout: int = 10) -> dict:
+    return {"urls": urls, "ca": str(tls / "ca.crt"), "cert": str(tls / f"{client}.crt"),
+            "key": str(tls / f"{client}.key"), "timeout": timeout}
+
+
+def test_wait_returns_once_every_endpoint_answers_200_with_the_cluster_certificate(tmp_path, cluster, mtls_server):
+    url, ready = mtls_server
+    threading.Timer(1.0, ready.set).start()    # 503 for a second, as a unit still loading
+    began = time.monotonic()
+    result, _ = k31_services(tmp_path, [{"name": "k31-a"}], STATES, wait=wait_spec(cluster, [url]))
+    assert not result.get("failed"), result.get("msg")
+    assert 1.0 <= result["waited"] <= time.monotonic() - began
+
+
+def test_wait_fails_naming_the_endpoint_that_did_not_answer_in_time(tmp_path, cluster, mtls_server):
+    url, _ = mtls_server    # never ready: 503
+    dead = f"https://127.0.0.1:{free_port()}/metrics"
+    result, _ = k31_services(tmp_path, [], {}, wait=wait_spec(cluster, [url, dead], timeout=1))
+    assert result["failed"] and "within 1 s" in result["msg"]
+    assert f"{url}: HTTP 503" in result["msg"] and f"{dead}: " in result["msg"] and "refused" in result["msg"]
+
+
+def test_wait_does_not_take_a_certificate_of_another_ca(tmp_path, cluster, mtls_server):
+    url, ready = mtls_server
+    ready.set()
+    result, _ = k31_services(tmp_path, [], {}, wait=wait_spec(cluster, [url], client="stranger", timeout=1))
+    assert result["failed"] and url in result["msg"]
+
+
+def test_wait_is_skipped_under_check(tmp_path, cluster, mtls_server):
+    url, _ = mtls_server    # would never answer 200
+    result, _ = k31_services(tmp_path, [], {}, wait=wait_spec(cluster, [url], timeout=1), check=True)
+    assert not result.get("failed") and result["waited"] == 0.0
