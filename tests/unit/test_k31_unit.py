@@ -216,7 +216,8 @@ INCLUDE = {"k31_unit_name": "k31-watch", "k31_unit_service": {"Description": "d"
                               {"dest": "/etc/k31/watch.py", "src": "watch.py", "mode": "0755"},
                               {"dest": "/etc/k31/watch.sh", "template": "watch.sh.j2", "mode": "0755",
                                "validate": "sh -n %s"},
-                              {"dest": "", "template": "absent.j2", "mode": "0644"}]}
+                              {"dest": "", "template": "absent.j2", "mode": "0644"}],
+           "k31_unit_shared_files": [{"dest": "/usr/local/lib/k31/gate", "src": "gate", "mode": "0755"}]}
 
 
 def _lookup(kind: str, name: str, **options) -> str:
@@ -271,12 +272,14 @@ def test_a_hosts_files_and_units_go_in_one_run_and_the_secret_ones_in_a_no_log_r
         {"dest": "/etc/k31/watch.py", "mode": "0755", "content": "file:watch.py:[]"},
         {"dest": "/etc/k31/watch.sh", "mode": "0755", "validate": "sh -n %s",
          "content": "template:watch.sh.j2:[('k31_unit_context', {'rank': 1})]"},
+        {"dest": "/usr/local/lib/k31/gate", "mode": "0755", "content": "file:gate:[]"},    # shared: once per host
         *[{"dest": "/etc/systemd/system/k31-watch.service", "mode": "0644",
            "content": f"template:/roles/k31_unit/templates/k31.service.j2:[('_k31_unit', {unit!r})]"}
           for unit in scope["_k31_unit_list"]]]
     assert SECRET not in repr(plain)
     # each file rendered once, for its own run only
-    assert sorted(asked) == sorted(["watch.py", "watch.sh.j2"] * 2 + ["/roles/k31_unit/templates/k31.service.j2"] * 2)
+    assert sorted(asked) == sorted(["watch.py", "watch.sh.j2"] * 2 + ["gate"]
+                                   + ["/roles/k31_unit/templates/k31.service.j2"] * 2)
 
 
 def test_a_staged_render_puts_the_unit_files_below_the_stage_root():
@@ -289,6 +292,7 @@ def test_a_staged_render_puts_the_unit_files_below_the_stage_root():
     ([], [], [], False),
     (["/etc/k31/a.sh"], [], ["k31-a"], False),
     ([], ["/etc/k31/b.env"], ["k31-b"], False),                       # a secret file restarts its unit too
+    (["/usr/local/lib/k31/gate"], [], [], False),                     # a shared file restarts none
     (["/etc/systemd/system/k31-b.service"], [], ["k31-b"], True),     # a unit file: daemon-reload and restart
 ])
 def test_a_changed_file_restarts_its_unit_and_a_changed_unit_file_reloads_systemd(written, secret, restarted, reload):

@@ -227,8 +227,8 @@ def test_k31_unit_writes_the_files_marked_secret_in_a_no_log_run_of_their_own():
     assert {name: (task["k31_files"]["files"], task["vars"], task.get("no_log"))
             for name, task in writers.items()} == {
         "Write the units' files that hold a secret": ("{{ _k31_unit_rendered }}", {"_k31_unit_secrets": True}, True),
-        "Write the units' other files and the unit files": ("{{ _k31_unit_rendered }}", {"_k31_unit_secrets": False},
-                                                            None)}
+        "Write the units' other files, the files they share and the unit files": (
+            "{{ _k31_unit_rendered }}", {"_k31_unit_secrets": False}, None)}
 
 
 def test_the_checker_catches_what_it_is_for(tmp_path):
