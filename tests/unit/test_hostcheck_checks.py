@@ -2,6 +2,7 @@
 failure names host, check, found and expected; all hosts' failures are reported together."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,16 @@ def test_report_collects_every_host_failures_first():
 def test_unknown_setting_is_refused():
     with pytest.raises(K31Error, match="require_gpus unknown"):
         Settings.from_mapping({"require_gpus": False})
+
+
+def test_k31_rdma_reads_sections_the_preflight_probe_prints():
+    """k31_rdma chooses its ports from pre-flight's probe of the same run (k31_preflight_probe, or k31_preflight's
+    probe.yml when pre-flight was not run) instead of probing again: every section it reads is one collect.sh
+    prints, and the probe is what it reads."""
+    roles = Path(__file__).resolve().parents[2] / "roles"
+    probed = set(re.findall(r"^probe (\S+)", (roles / "k31_preflight/files/collect.sh").read_text(), re.M))
+    tasks = (roles / "k31_rdma/tasks/main.yml").read_text()
+    read = set(re.findall(r"_k31_rdma_s\['([\w-]+)'\]", tasks)) | set(re.findall(r"_k31_rdma_s\.(\w+)", tasks))
+    assert read == {"rdma-sysfs", "rdma-link", "capeff"} and read <= probed
+    assert '_k31_rdma_s: "{{ k31_preflight_probe.stdout | k31_probe_sections }}"' in tasks
+    assert "register: k31_preflight_probe" in (roles / "k31_preflight/tasks/probe.yml").read_text()

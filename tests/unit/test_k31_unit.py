@@ -189,7 +189,8 @@ def _defined_names(node):
 def test_every_name_a_role_defines_is_an_input_or_its_own_internal():
     """A name without the leading underscore is an input some role declares (meta/argument_specs.yml, defaults), as
     when a role hands k31_unit its k31_unit_* settings; everything else a role's tasks define is `_<role>_...`.
-    The validate play's two results are the hand-off every later play reads, by their documented names."""
+    The validate play's two results are the hand-off every later play reads, by their documented names, and the
+    pre-flight probe the one k31_rdma reads (roles/k31_preflight/tasks/probe.yml)."""
     inputs = set()
     for role in (ROOT / "roles").iterdir():
         specs, defaults = role / "meta" / "argument_specs.yml", role / "defaults" / "main.yml"
@@ -198,7 +199,7 @@ def test_every_name_a_role_defines_is_an_input_or_its_own_internal():
                 inputs |= set(entry.get("options") or {})
         if defaults.is_file():
             inputs |= set(yaml.safe_load(defaults.read_text()) or {})
-    outputs = {"k31_validate_plan", "k31_validate_problems"}
+    outputs = {"k31_validate_plan", "k31_validate_problems", "k31_preflight_probe"}
     strays = []
     for tasks in sorted((ROOT / "roles").glob("*/tasks/*.yml")):
         role = tasks.parent.parent.name
