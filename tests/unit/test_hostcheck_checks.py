@@ -207,14 +207,20 @@ def test_unknown_setting_is_refused():
         Settings.from_mapping({"require_gpus": False})
 
 
-def test_k31_rdma_reads_sections_the_preflight_probe_prints():
-    """k31_rdma chooses its ports from pre-flight's probe of the same run (k31_preflight_probe, or k31_preflight's
-    probe.yml when pre-flight was not run) instead of probing again: every section it reads is one collect.sh
-    prints, and the probe is what it reads."""
+@pytest.mark.parametrize(("role", "tasks", "sections"), [
+    ("k31_rdma", "tasks/main.yml", {"rdma-sysfs", "rdma-link", "capeff"}),
+    ("k31_firewall", "vars/main.yml", {"firewalld", "nftables", "k31-table"}),
+])
+def test_roles_read_sections_the_preflight_probe_prints(role, tasks, sections):
+    """k31_rdma (its ports) and k31_firewall (its backend's state) read pre-flight's probe of the same run
+    (k31_preflight_probe, or k31_preflight's probe.yml, which they include when pre-flight was not run) instead of
+    probing again: every section they read is one collect.sh prints, and the probe is what they read."""
     roles = Path(__file__).resolve().parents[2] / "roles"
     probed = set(re.findall(r"^probe (\S+)", (roles / "k31_preflight/files/collect.sh").read_text(), re.M))
-    tasks = (roles / "k31_rdma/tasks/main.yml").read_text()
-    read = set(re.findall(r"_k31_rdma_s\['([\w-]+)'\]", tasks)) | set(re.findall(r"_k31_rdma_s\.(\w+)", tasks))
-    assert read == {"rdma-sysfs", "rdma-link", "capeff"} and read <= probed
-    assert '_k31_rdma_s: "{{ k31_preflight_probe.stdout | k31_probe_sections }}"' in tasks
+    text = (roles / role / tasks).read_text()
+    var = f"_{role}_" + ("s" if role == "k31_rdma" else "probe")
+    read = set(re.findall(rf"{var}\['([\w-]+)'\]", text)) | set(re.findall(rf"{var}\.(\w+)", text))
+    assert read == sections and read <= probed
+    assert re.search(rf'{var}: "{{{{ k31_preflight_probe.stdout \| k31_probe_sections }}}}"', text)
+    assert "tasks_from: probe" in (roles / role / "tasks/main.yml").read_text()
     assert "register: k31_preflight_probe" in (roles / "k31_preflight/tasks/probe.yml").read_text()

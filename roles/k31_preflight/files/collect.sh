@@ -60,3 +60,7 @@ probe chrony chronyc -n tracking
 probe proc-devices cat /proc/devices
 probe imex-channel ls -l /dev/nvidia-caps-imex-channels/channel0
 probe ip-addr ip -o -4 addr show
+# k31_firewall's backends: firewalld's state (auto picks it), nftables installed, k31's table loaded
+probe firewalld systemctl is-active firewalld
+probe nftables "dpkg-query -W -f='\${db:Status-Status}\n' nftables"
+probe k31-table "nft list table inet k31 >/dev/null"
