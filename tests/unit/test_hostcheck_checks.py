@@ -210,11 +210,13 @@ def test_unknown_setting_is_refused():
 @pytest.mark.parametrize(("role", "tasks", "sections"), [
     ("k31_rdma", "tasks/main.yml", {"rdma-sysfs", "rdma-link", "capeff"}),
     ("k31_firewall", "vars/main.yml", {"firewalld", "nftables", "k31-table"}),
+    ("k31_pki", "tasks/certificate.yml", {"host-cert"}),
 ])
 def test_roles_read_sections_the_preflight_probe_prints(role, tasks, sections):
-    """k31_rdma (its ports) and k31_firewall (its backend's state) read pre-flight's probe of the same run
-    (k31_preflight_probe, or k31_preflight's probe.yml, which they include when pre-flight was not run) instead of
-    probing again: every section they read is one collect.sh prints, and the probe is what they read."""
+    """k31_rdma (its ports), k31_firewall (its backend's state) and k31_pki (the host's certificate) read
+    pre-flight's probe of the same run (k31_preflight_probe, or k31_preflight's probe.yml, which they include when
+    pre-flight was not run) instead of probing again: every section they read is one collect.sh prints, and the
+    probe is what they read."""
     roles = Path(__file__).resolve().parents[2] / "roles"
     probed = set(re.findall(r"^probe (\S+)", (roles / "k31_preflight/files/collect.sh").read_text(), re.M))
     text = (roles / role / tasks).read_text()
@@ -222,5 +224,5 @@ def test_roles_read_sections_the_preflight_probe_prints(role, tasks, sections):
     read = set(re.findall(rf"{var}\['([\w-]+)'\]", text)) | set(re.findall(rf"{var}\.(\w+)", text))
     assert read == sections and read <= probed
     assert re.search(rf'{var}: "{{{{ k31_preflight_probe.stdout \| k31_probe_sections }}}}"', text)
-    assert "tasks_from: probe" in (roles / role / "tasks/main.yml").read_text()
+    assert any("tasks_from: probe" in f.read_text() for f in (roles / role / "tasks").glob("*.yml"))
     assert "register: k31_preflight_probe" in (roles / "k31_preflight/tasks/probe.yml").read_text()

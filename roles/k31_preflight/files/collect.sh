@@ -1,7 +1,8 @@
 #!/bin/bash
 # k31 pre-flight probes. Read-only: it changes nothing on the host. Each probe prints its output between
 # "### k31:NAME" and "### k31:NAME rc=N"; k31deploy.hostcheck parses them (a missing tool is rc 127).
-# Arguments: MODEL_DIR DRAFT_DIR MODEL_SOURCE_DIR DRAFT_SOURCE_DIR ("-" where there is none).
+# Arguments: MODEL_DIR DRAFT_DIR MODEL_SOURCE_DIR DRAFT_SOURCE_DIR HOST_CERT ("-" where there is none).
+# The other roles of the same run read their sections rather than probe again (roles/k31_preflight/tasks/probe.yml).
 export PATH="$PATH:/usr/sbin:/sbin:/opt/rocm/bin"
 export LC_ALL=C SYSTEMD_COLORS=0
 
@@ -33,7 +34,7 @@ sizes() {
   done
 }
 
-model=${1:--} draft=${2:--} model_src=${3:--} draft_src=${4:--}
+model=${1:--} draft=${2:--} model_src=${3:--} draft_src=${4:--} cert=${5:--}
 ib=/sys/class/infiniband
 
 probe os-release cat /etc/os-release
@@ -64,3 +65,5 @@ probe ip-addr ip -o -4 addr show
 probe firewalld systemctl is-active firewalld
 probe nftables "dpkg-query -W -f='\${db:Status-Status}\n' nftables"
 probe k31-table "nft list table inet k31 >/dev/null"
+# k31_pki: the host's certificate (public; its renewal is decided on the controller)
+probe host-cert 'if [ "$cert" != - ]; then cat -- "$cert"; fi'
