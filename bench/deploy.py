@@ -6,7 +6,8 @@ deploy with --full), one-decode redeploy, and fan-out over 2, 8 and 16 hosts.
 
 Reports wall times and the ratios that matter on a noisy machine: no-op / fresh (how cheap a
 re-run is) and N hosts / 2 hosts (1.0 would be perfect fan-out: servers start concurrently and
-health gates wait in parallel), and the tool's own cost per server of `k31 redeploy decode0` on the 1P1D
+health gates wait in parallel) with a line fitted through the fan-out sizes (fanout_fixed_s,
+fanout_per_host_s), and the tool's own cost per server of `k31 redeploy decode0` on the 1P1D
 (it restarts decode0, then prefill0 by the seed's PD rule): its wall time less each engine's own
 restart-to-healthy time (systemctl restart until /health answers, timed on the node), divided by the two
 servers. Sandboxes are named bench-* and removed afterwards.
@@ -104,6 +105,18 @@ def redeploy_overhead(sandbox_name: str, inventory: str) -> dict[str, float]:
             "redeploy_overhead_s": round((wall - sum(own.values())) / len(own), 1)}
 
 
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares over (hosts, seconds): the part of a deploy that does not grow with the hosts, and what each
+    host adds. The N/2 ratio is (fixed + N * per_host) / (fixed + 2 * per_host), so a cheaper fixed part alone
+    worsens it: the two say which one moved."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    return mean_y - slope * mean_x, slope
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 8, 16])
@@ -144,6 +157,9 @@ def main() -> int:
             base = results[f"fanout_{args.sizes[0]}_s"]
             ratios.update({f"fanout_{n}_over_{args.sizes[0]}": round(results[f"fanout_{n}_s"] / base, 2)
                            for n in args.sizes[1:]})
+            if len(set(args.sizes)) > 1:
+                fixed, per_host = fit_line([(n, results[f"fanout_{n}_s"]) for n in args.sizes])
+                results.update({"fanout_fixed_s": round(fixed, 1), "fanout_per_host_s": round(per_host, 2)})
     finally:
         for name in ["bench-pd", *(f"bench-{n}" for n in args.sizes)]:
             subprocess.run([str(BIN / "k31"), "sandbox", "down", "--name", name], cwd=ROOT, capture_output=True,
