@@ -79,6 +79,8 @@ def test_arguments_or_certificates_restart_configuration_reloads_and_otherwise_u
     assert states(["/etc/default/prometheus"], [], False) == ["restarted", "restarted"]
     assert states([], ["/etc/k31/monitoring/tls/host.crt"], False) == ["restarted", "restarted"]
     assert states([], ["/etc/k31/monitoring/tls"], False) == ["started", "started"]    # the folder, not a copy
+    # the role hands all its one write changed: only the copies under tls/ count there
+    assert states([], ["/etc/k31/monitoring/prometheus.yml", "/etc/default/prometheus"], False) == ["started"] * 2
     assert [a["name"] for a in unit_actions(UNITS, [], [], False)] == list(UNITS)
 
 
