@@ -173,9 +173,10 @@ def render(template: Path, **context) -> str:
 def template_context(plan: dict, env: dict[str, str], runtime: str = "container") -> dict:
     server = plan["servers"][0]
     rank = {**server["ranks"][0], "env": env}
-    host_env = "MC_GID_INDEX=3\nSGLANG_HOST_IP=10.0.0.1\n\n"    # the read's output: each file, then a newline
+    host_env = "MC_GID_INDEX=3\nSGLANG_HOST_IP=10.0.0.1\n\n"    # each file, then a newline
     return {
-        "k31_unit_context": {"server": server, "rank": rank}, "_k31_engine_host_env": {"stdout": host_env},
+        "k31_unit_context": {"server": server, "rank": rank},
+        "_k31_engine_host": {"host-env": {"rc": 0, "text": host_env}},    # k31_engine's read, by section
         "k31_engine_extra_env": {}, "k31_engine_hf_token": "", "k31_engine_runtime": runtime,
         "k31_engine_etc_dir": "/etc/k31", "k31_engine_standin_load_seconds": 1, "k31_engine_standin_model_dir": "/m",
         "_k31_dynamo_plan": {"env": env}, "k31_dynamo_runtime": runtime, "k31_dynamo_state_dir": "/var/lib/k31/dynamo",
@@ -273,20 +274,80 @@ def test_dynamo_workers_env_files_carry_their_control_plane_secrets_and_others_n
     assert "NATS_AUTH_TOKEN" not in sglang
 
 
-def test_the_engines_read_of_the_host_settings_keeps_each_files_lines_apart_and_skips_a_missing_file(tmp_path):
-    """k31_engine reads rdma.env, model.env and mnnvl.env with one command; its output, parsed as one text, is what
-    the files say in that order (a later file wins), even when a file's last line has no newline."""
+def engine_read(tmp_path: Path, runtime: str, family: str = "cuda") -> dict:
+    """Run k31_engine's one read of the host (tasks/main.yml, its script in vars/main.yml) as the task renders it,
+    with a fake container CLI and getent first on PATH; its sections as the role parses them."""
     import jinja2.nativetypes
     import yaml
 
-    (task,) = [t for t in yaml.safe_load((ROOT / "roles/k31_engine/tasks/units.yml").read_text())
+    (task,) = [t for t in yaml.safe_load((ROOT / "roles/k31_engine/tasks/main.yml").read_text())
                if t["name"].startswith("Read the host settings")]
-    (tmp_path / "rdma.env").write_text("# Ansible managed\nMC_GID_INDEX=3\nNCCL_IB_HCA=mlx5_0")    # no newline
-    (tmp_path / "mnnvl.env").write_text("NCCL_IB_HCA=mlx5_1\nK31_MNNVL=1\n")
+    assert (task["changed_when"], task["check_mode"]) == (False, False)
+    role_vars = yaml.safe_load((ROOT / "roles/k31_engine/vars/main.yml").read_text())
     env = jinja2.nativetypes.NativeEnvironment()
     env.filters.update(AnsibleCore().filters())
     argv = env.from_string(task["ansible.builtin.command"]["argv"]).render(
-        k31_engine_host_env_files=["rdma", "model", "mnnvl"], k31_engine_etc_dir=str(tmp_path))
-    done = subprocess.run(argv, capture_output=True, text=True, check=True)
-    assert (task["changed_when"], task["check_mode"]) == (False, False)
-    assert envfile.parse([done.stdout]) == {"MC_GID_INDEX": "3", "NCCL_IB_HCA": "mlx5_1", "K31_MNNVL": "1"}
+        _k31_engine_read_script=role_vars["_k31_engine_read_script"], k31_engine_runtime=runtime,
+        k31_engine_container_cli=str(tmp_path / "bin/podman"), k31_engine_pinned_image="reg/k31@sha256:" + "a" * 64,
+        _k31_plan={"hardware": {"family": family}}, k31_engine_host_env_files=["rdma", "model", "mnnvl"],
+        k31_engine_etc_dir=str(tmp_path))
+    assert argv[7] == "{{.Id}}" and argv[9] == "/opt/k31/src/.k31-bundle"
+    argv[9] = str(tmp_path / ".k31-bundle")    # where the test put it
+    done = subprocess.run(argv, capture_output=True, text=True, check=True,
+                          env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+    return hostcheck_filters()["k31_probe_sections"](done.stdout)
+
+
+def hostcheck_filters() -> dict:
+    spec = importlib.util.spec_from_file_location("k31_hostcheck_filter", ROOT / "filter_plugins/k31_hostcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FilterModule().filters()
+
+
+def fake_tools(tmp_path: Path, image_present: bool) -> None:
+    (tmp_path / "bin").mkdir()
+    podman = tmp_path / "bin/podman"
+    podman.write_text('#!/bin/sh\nprintf "%s\\n" "$*" > "$(dirname "$0")/argv"\n'
+                      + ('echo sha256:feed\n' if image_present else 'echo "Error: no such image" >&2; exit 125\n'))
+    getent = tmp_path / "bin/getent"
+    getent.write_text('#!/bin/sh\n[ "$*" = "group render" ] && echo render:x:109:\n')
+    for tool in (podman, getent):
+        tool.chmod(0o755)
+
+
+def test_the_engines_read_of_the_host_settings_keeps_each_files_lines_apart_and_skips_a_missing_file(tmp_path):
+    """k31_engine reads rdma.env, model.env and mnnvl.env with one command; its host-env section, parsed as one
+    text, is what the files say in that order (a later file wins), even when a file's last line has no newline."""
+    (tmp_path / "rdma.env").write_text("# Ansible managed\nMC_GID_INDEX=3\nNCCL_IB_HCA=mlx5_0")    # no newline
+    (tmp_path / "mnnvl.env").write_text("NCCL_IB_HCA=mlx5_1\nK31_MNNVL=1\n")
+    fake_tools(tmp_path, image_present=True)
+    read = engine_read(tmp_path, "venv")
+    assert set(read) == {"host-env"} and read["host-env"]["rc"] == 0
+    assert envfile.parse([read["host-env"]["text"]]) == {"MC_GID_INDEX": "3", "NCCL_IB_HCA": "mlx5_1",
+                                                          "K31_MNNVL": "1"}
+    engine = ROOT / "roles/k31_engine/templates/engine.env.j2"
+    context = {**template_context(PLAN, {}), "_k31_engine_host": read}
+    assert systemd_read(render(engine, **context))["NCCL_IB_HCA"] == "mlx5_1"
+
+
+def test_the_engines_read_says_which_bundle_the_standin_runs(tmp_path):
+    fake_tools(tmp_path, image_present=True)
+    assert engine_read(tmp_path, "standin")["bundle"]["rc"] != 0            # a fresh host: copy and unpack it
+    (tmp_path / ".k31-bundle").write_text("d" * 64 + "\n")
+    read = engine_read(tmp_path, "standin")
+    assert set(read) == {"host-env", "bundle"} and read["bundle"]["text"].strip() == "d" * 64
+    assert envfile.parse([read["host-env"]["text"]]) == {}
+
+
+def test_the_engines_read_checks_the_pinned_image_and_on_rocm_the_render_group(tmp_path):
+    fake_tools(tmp_path, image_present=False)
+    read = engine_read(tmp_path, "container")
+    assert set(read) == {"host-env", "image"}          # CUDA: no render group
+    assert read["image"]["rc"] == 125 and "no such image" in read["image"]["text"]
+    assert (tmp_path / "bin/argv").read_text().split() == ["image", "inspect", "--format", "{{.Id}}",
+                                                           "reg/k31@sha256:" + "a" * 64]
+    (tmp_path / "bin/podman").write_text("#!/bin/sh\necho sha256:feed\n")
+    read = engine_read(tmp_path, "container", family="rocm")
+    assert read["image"] == {"rc": 0, "text": "sha256:feed\n"}
+    assert read["render-group"]["rc"] == 0 and read["render-group"]["text"].split(":")[2] == "109"
