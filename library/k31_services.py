@@ -96,12 +96,14 @@ def _wait(module: AnsibleModule, spec: dict, acted: list[str]) -> float:
         context.load_cert_chain(spec["cert"], spec["key"])
     except OSError as e:    # ssl.SSLError is one
         module.fail_json(msg=f"the cluster certificate to wait with cannot be loaded: {e}", acted=acted, waited=0.0)
+    # cluster addresses, never through a proxy the host's environment names (as k31_probe.py asks them)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
     pending = {url: "not asked yet" for url in spec["urls"]}
     deadline = began + spec["timeout"]
     while pending:
         for url in list(pending):
             try:
-                with urllib.request.urlopen(url, timeout=5, context=context) as resp:
+                with opener.open(url, timeout=5) as resp:
                     if resp.status == 200:
                         del pending[url]
                         continue

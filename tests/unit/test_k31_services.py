@@ -42,7 +42,8 @@ exit 0
 
 
 def k31_services(tmp_path: Path, units: list[dict], states: dict[str, tuple[str, str]], *,
-                 daemon_reload: bool = False, check: bool = False, wait: dict | None = None) -> tuple[dict, list[str]]:
+                 daemon_reload: bool = False, check: bool = False, wait: dict | None = None,
+                 env: dict[str, str] | None = None) -> tuple[dict, list[str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "systemctl").write_text(SYSTEMCTL)
@@ -55,7 +56,7 @@ def k31_services(tmp_path: Path, units: list[dict], states: dict[str, tuple[str,
                                                          "_ansible_check_mode": check,
                                                          **({"wait": wait} if wait else {})}}))
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "K31_TEST_STATES": str(tmp_path / "states"), "K31_TEST_CALLS": str(calls)}
+           "K31_TEST_STATES": str(tmp_path / "states"), "K31_TEST_CALLS": str(calls), **(env or {})}
     done = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, env=env,
                           check=False)
     return json.loads(done.stdout), calls.read_text().splitlines()
@@ -169,3 +170,15 @@ def test_wait_is_skipped_under_check(tmp_path, cluster, mtls_server):
     url, _ = mtls_server    # would never answer 200
     result, _ = k31_services(tmp_path, [], {}, wait=wait_spec(cluster, [url], timeout=1), check=True)
     assert not result.get("failed") and result["waited"] == 0.0
+
+
+def test_wait_asks_the_cluster_address_itself_whatever_proxy_the_environment_names(tmp_path, cluster, mtls_server):
+    """A host with https_proxy set (a site's egress proxy) and no no_proxy for the cluster: the wait still asks the
+    endpoint, as k31_probe.py does, not a proxy that cannot reach it (here: nothing listens there)."""
+    url, ready = mtls_server
+    ready.set()
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxies = {"https_proxy": dead, "HTTPS_PROXY": dead, "http_proxy": dead, "HTTP_PROXY": dead,
+               "no_proxy": "", "NO_PROXY": ""}
+    result, _ = k31_services(tmp_path, [], {}, wait=wait_spec(cluster, [url], timeout=2), env=proxies)
+    assert not result.get("failed"), result.get("msg")

@@ -1,7 +1,8 @@
 """The shape of the roles' task files where it costs every host: a `block` guarded by `when` is evaluated task by
 task on every host, so a host it is not for still pays one skipped task (a forked worker) per task in it -- 43 per
 fan-out host before the container runtime, the image, the NVLink tray and the weights staging became includes.
-A larger conditional part is an `include_tasks` with that `when`: a host it is not for skips it as one task."""
+A larger conditional part is an `include_tasks` with that `when`: a host it is not for skips it as one task.
+And what every HTTP call of a role asks: a cluster address, never through a proxy the host's environment names."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def guarded_blocks(tasks: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                 yield from guarded_blocks(task.get(part) or [])
 
 
+def all_tasks(tasks: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for task in tasks or []:
+        if "block" in task:
+            for part in ("block", "rescue", "always"):
+                yield from all_tasks(task.get(part) or [])
+        else:
+            yield task
+
+
 def test_task_count_counts_nested_blocks_and_their_rescue():
     tasks = [{"block": [{"name": "a"}, {"block": [{"name": "b"}], "rescue": [{"name": "c"}]}]}, {"name": "d"}]
     assert task_count(tasks) == 4
@@ -41,3 +51,15 @@ def test_no_conditional_block_makes_every_host_skip_many_tasks():
              for path in files for block in guarded_blocks(yaml.safe_load(path.read_text()))
              if task_count(block["block"]) > MOST_TASKS_IN_A_GUARDED_BLOCK]
     assert large == [], "make these includes (include_tasks with the when): " + "; ".join(large)
+
+
+def test_every_http_call_of_a_role_goes_to_the_cluster_address_not_a_proxy():
+    """A host (or /etc/environment) with https_proxy for its egress and no no_proxy for the cluster sends `uri`'s
+    requests to that proxy: a health gate or the redeploy's silence would then fail or hang on it. k31_probe.py and
+    library/k31_services.py ask without proxies too (test_k31_services pins the latter)."""
+    calls = [(path.relative_to(REPO), task) for path in sorted(REPO.glob("roles/*/tasks/*.yml"))
+             for task in all_tasks(yaml.safe_load(path.read_text())) if "ansible.builtin.uri" in task]
+    assert len(calls) >= 6
+    through_proxy = [f"{path}: {task['name']}" for path, task in calls
+                     if task["ansible.builtin.uri"].get("use_proxy") is not False]
+    assert through_proxy == []
