@@ -3,12 +3,13 @@
 
 ansible.builtin.systemd_service looped over a role's units costs one module run (a Python start and several
 systemctl calls) per unit and host; a deploy starts or restarts a handful of units on every host. This reads every
-unit's enabled and active states with one `systemctl show`, reloads systemd once when asked, then enables, starts,
-restarts or reloads each unit as its state says -- `restarted` and `reloaded` start an inactive unit instead (a unit
-just installed gets one start, not a start and then a restart) -- and reports which units it acted on. Check mode
-reports what it would do and does nothing. With `wait` it then polls the units' HTTPS endpoints with the host's
-cluster certificate until each answers 200, in the same run (a uri task looped over them costs one more module run
-per host and endpoint, and deploys start every host's units at once).
+unit's enabled and active states with one `systemctl show`, enables those that are not with one call, reloads
+systemd once (when asked, or after enabling), then starts, restarts or reloads each unit as its state says --
+`restarted` and `reloaded` start an inactive unit instead (a unit just installed gets one start, not a start and
+then a restart) -- and reports which units it acted on. Check mode reports what it would do and does nothing.
+With `wait` it then polls the units' HTTPS endpoints with the host's cluster certificate until each answers 200,
+in the same run (a uri task looped over them costs one more module run per host and endpoint, and deploys start
+every host's units at once).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ DOCUMENTATION = r"""
 module: k31_services
 short_description: Enable and start, restart or reload a list of systemd units in one run
 description:
-  - Every unit is enabled. C(started) starts an inactive unit; C(restarted) restarts an active one and starts an
-    inactive one; C(reloaded) reloads an active one and starts an inactive one.
-  - The units are handled in the order given; the first that fails ends the run with its name and systemctl's
-    message. Supports check mode.
+  - Every unit is enabled (those that are not, with one C(systemctl enable --no-reload), then one daemon-reload).
+    C(started) starts an inactive unit; C(restarted) restarts an active one and starts an inactive one;
+    C(reloaded) reloads an active one and starts an inactive one.
+  - The units are started, restarted or reloaded in the order given; the first that fails ends the run with its
+    name and systemctl's message. Supports check mode.
 options:
   units:
     description: The units.
@@ -149,16 +151,20 @@ def main() -> None:
         if rc != 0:
             module.fail_json(msg=f"systemctl {' '.join(argv)} failed (rc {rc}): {(err or out).strip()}", acted=acted)
 
-    if module.params["daemon_reload"]:
+    states = _states(module, [u["name"] for u in units]) if units else {}
+    # One enable for every unit that needs it, without the daemon-reload each `systemctl enable` does: the one
+    # reload below covers the new links and the new unit files alike (a fresh unit cost two reloads, then three).
+    to_enable = [u["name"] for u in units
+                 if states[u["name"]][0] not in ("enabled", "static", "alias", "indirect", "generated", "transient")]
+    if to_enable:
+        systemctl("enable", "--no-reload", "--", *(f"{name}.service" for name in to_enable))
+        acted.extend(f"{name} enabled" for name in to_enable)
+    if module.params["daemon_reload"] or to_enable:
         systemctl("daemon-reload")
         acted.append("systemd daemon-reload")
-    states = _states(module, [u["name"] for u in units]) if units else {}
     for unit in units:
         name, want = unit["name"], unit["state"]
-        enabled, active = states[name]
-        if enabled not in ("enabled", "static", "alias", "indirect", "generated", "transient"):
-            systemctl("enable", "--", f"{name}.service")
-            acted.append(f"{name} enabled")
+        active = states[name][1]
         if active not in ("active", "reloading", "activating"):
             systemctl("start", "--", f"{name}.service")
             acted.append(f"{name} started")

@@ -70,10 +70,25 @@ def test_each_unit_is_enabled_and_running_and_a_running_one_restarts_or_reloads_
     units = [{"name": "k31-a", "state": "restarted"}, {"name": "k31-b", "state": "restarted"},
              {"name": "k31-c", "state": "reloaded"}, {"name": "k31-d", "state": "reloaded"}]
     result, calls = k31_services(tmp_path, units, STATES, daemon_reload=True)
-    assert calls == ["daemon-reload", "restart -- k31-a.service", "enable -- k31-b.service", "start -- k31-b.service",
-                     "start -- k31-c.service", "reload -- k31-d.service"]
-    assert result["changed"] and result["acted"] == ["systemd daemon-reload", "k31-a restarted", "k31-b enabled",
+    assert calls == ["enable --no-reload -- k31-b.service", "daemon-reload", "restart -- k31-a.service",
+                     "start -- k31-b.service", "start -- k31-c.service", "reload -- k31-d.service"]
+    assert result["changed"] and result["acted"] == ["k31-b enabled", "systemd daemon-reload", "k31-a restarted",
                                                      "k31-b started", "k31-c started", "k31-d reloaded"]
+
+
+def test_units_not_enabled_are_enabled_in_one_call_and_one_daemon_reload_follows(tmp_path):
+    """`systemctl enable` reloads systemd itself: per unit, on top of the reload asked for, that was a reload per
+    fresh unit. Now one enable without a reload of its own, then the one reload (asked for or not)."""
+    states = {**STATES, "k31-e": ("disabled", "inactive")}
+    units = [{"name": "k31-b"}, {"name": "k31-a"}, {"name": "k31-e"}]
+    for daemon_reload in (True, False):
+        result, calls = k31_services(tmp_path, units, states, daemon_reload=daemon_reload)
+        assert calls == ["enable --no-reload -- k31-b.service k31-e.service", "daemon-reload",
+                         "start -- k31-b.service", "start -- k31-e.service"]
+        assert result["acted"] == ["k31-b enabled", "k31-e enabled", "systemd daemon-reload", "k31-b started",
+                                   "k31-e started"]
+    result, calls = k31_services(tmp_path, [{"name": "k31-a"}], STATES, daemon_reload=True)
+    assert calls == ["daemon-reload"] and result["acted"] == ["systemd daemon-reload"]
 
 
 def test_started_leaves_a_running_enabled_unit_alone(tmp_path):
@@ -84,7 +99,7 @@ def test_started_leaves_a_running_enabled_unit_alone(tmp_path):
 def test_check_mode_reports_what_it_would_do_and_does_nothing(tmp_path):
     units = [{"name": "k31-a", "state": "started"}, {"name": "k31-b", "state": "started"}]
     result, calls = k31_services(tmp_path, units, STATES, daemon_reload=True, check=True)
-    assert result["changed"] and result["acted"] == ["systemd daemon-reload", "k31-b enabled", "k31-b started"]
+    assert result["changed"] and result["acted"] == ["k31-b enabled", "systemd daemon-reload", "k31-b started"]
     assert calls == []
 
 
