@@ -283,6 +283,7 @@ def engine_read(tmp_path: Path, runtime: str, family: str = "cuda") -> dict:
     (task,) = [t for t in yaml.safe_load((ROOT / "roles/k31_engine/tasks/main.yml").read_text())
                if t["name"].startswith("Read the host settings")]
     assert (task["changed_when"], task["check_mode"]) == (False, False)
+    assert task["failed_when"] == "_k31_engine_read.rc != 0 or _k31_engine_host['host-env'].rc | default(1) != 0"
     role_vars = yaml.safe_load((ROOT / "roles/k31_engine/vars/main.yml").read_text())
     env = jinja2.nativetypes.NativeEnvironment()
     env.filters.update(AnsibleCore().filters())
@@ -329,6 +330,13 @@ def test_the_engines_read_of_the_host_settings_keeps_each_files_lines_apart_and_
     engine = ROOT / "roles/k31_engine/templates/engine.env.j2"
     context = {**template_context(PLAN, {}), "_k31_engine_host": read}
     assert systemd_read(render(engine, **context))["NCCL_IB_HCA"] == "mlx5_1"
+    # there, but cat cannot read it (an I/O error): the section says so, and the task fails on it
+    (tmp_path / "model.env").write_text("A=1\n")
+    (tmp_path / "bin/cat").write_text('#!/bin/sh\ncase "$2" in *model.env) echo "cat: I/O error" >&2; exit 1;; esac\n'
+                                      'exec /bin/cat "$@"\n')
+    (tmp_path / "bin/cat").chmod(0o755)
+    read = engine_read(tmp_path, "venv")["host-env"]
+    assert read["rc"] != 0 and "I/O error" in read["text"]
 
 
 def test_the_engines_read_says_which_bundle_the_standin_runs(tmp_path):
