@@ -153,7 +153,7 @@ def main() -> None:
 
     states = _states(module, [u["name"] for u in units]) if units else {}
     # One enable for every unit that needs it, without the daemon-reload each `systemctl enable` does: the one
-    # reload below covers the new links and the new unit files alike (a fresh unit cost two reloads, then three).
+    # reload below covers the new links and the new unit files alike (one fresh unit cost two reloads, two cost three).
     to_enable = [u["name"] for u in units
                  if states[u["name"]][0] not in ("enabled", "static", "alias", "indirect", "generated", "transient")]
     if to_enable:

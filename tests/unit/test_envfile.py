@@ -156,8 +156,9 @@ def test_comments_stay_on_their_line(text):
 
 # -- the templates -----------------------------------------------------------------------------------
 
-def k31_filters() -> dict:
-    spec = importlib.util.spec_from_file_location("k31_filter", ROOT / "filter_plugins/k31.py")
+def k31_filters(plugin: str = "k31") -> dict:
+    """The filters of filter_plugins/PLUGIN.py, as Ansible loads them."""
+    spec = importlib.util.spec_from_file_location(f"{plugin}_filter", ROOT / f"filter_plugins/{plugin}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FilterModule().filters()
@@ -296,14 +297,7 @@ def engine_read(tmp_path: Path, runtime: str, family: str = "cuda") -> dict:
     argv[9] = str(tmp_path / ".k31-bundle")    # where the test put it
     done = subprocess.run(argv, capture_output=True, text=True, check=True,
                           env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
-    return hostcheck_filters()["k31_probe_sections"](done.stdout)
-
-
-def hostcheck_filters() -> dict:
-    spec = importlib.util.spec_from_file_location("k31_hostcheck_filter", ROOT / "filter_plugins/k31_hostcheck.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FilterModule().filters()
+    return k31_filters("k31_hostcheck")["k31_probe_sections"](done.stdout)
 
 
 def fake_tools(tmp_path: Path, image_present: bool) -> None:
