@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -288,14 +289,16 @@ def engine_read(tmp_path: Path, runtime: str, family: str = "cuda") -> dict:
     role_vars = yaml.safe_load((ROOT / "roles/k31_engine/vars/main.yml").read_text())
     env = jinja2.nativetypes.NativeEnvironment()
     env.filters.update(AnsibleCore().filters())
-    argv = env.from_string(task["ansible.builtin.command"]["argv"]).render(
+    assert task["vars"]["ansible_ssh_use_tty"] is False    # raw: what it prints is parsed, so no tty
+    command = env.from_string(task["ansible.builtin.raw"]).render(
         _k31_engine_read_script=role_vars["_k31_engine_read_script"], k31_engine_runtime=runtime,
         k31_engine_container_cli=str(tmp_path / "bin/podman"), k31_engine_pinned_image="reg/k31@sha256:" + "a" * 64,
         _k31_plan={"hardware": {"family": family}}, k31_engine_host_env_files=["rdma", "model", "mnnvl"],
         k31_engine_etc_dir=str(tmp_path))
-    assert argv[7] == "{{.Id}}" and argv[9] == "/opt/k31/src/.k31-bundle"
+    argv = shlex.split(command)    # the host's shell splits the raw command into the read's argv
+    assert argv[:2] == ["sh", "-c"] and argv[7] == "{{.Id}}" and argv[9] == "/opt/k31/src/.k31-bundle"
     argv[9] = str(tmp_path / ".k31-bundle")    # where the test put it
-    done = subprocess.run(argv, capture_output=True, text=True, check=True,
+    done = subprocess.run(["/bin/sh", "-c", shlex.join(argv)], capture_output=True, text=True, check=True,
                           env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
     return k31_filters("k31_hostcheck")["k31_probe_sections"](done.stdout)
 

@@ -190,7 +190,8 @@ def test_every_name_a_role_defines_is_an_input_or_its_own_internal():
     """A name without the leading underscore is an input some role declares (meta/argument_specs.yml, defaults), as
     when a role hands k31_unit its k31_unit_* settings; everything else a role's tasks define is `_<role>_...`.
     The validate play's two results are the hand-off every later play reads, by their documented names, and the
-    pre-flight probe the one k31_rdma reads (roles/k31_preflight/tasks/probe.yml)."""
+    pre-flight probe the one k31_rdma reads (roles/k31_preflight/tasks/probe.yml). Ansible's own `ansible_*` names
+    (a raw read's ansible_ssh_use_tty) are Ansible's settings for one task."""
     inputs = set()
     for role in (ROOT / "roles").iterdir():
         specs, defaults = role / "meta" / "argument_specs.yml", role / "defaults" / "main.yml"
@@ -204,7 +205,7 @@ def test_every_name_a_role_defines_is_an_input_or_its_own_internal():
     for tasks in sorted((ROOT / "roles").glob("*/tasks/*.yml")):
         role = tasks.parent.parent.name
         for name in sorted(set(_defined_names(yaml.safe_load(tasks.read_text())))):
-            if not name.startswith(f"_{role}_") and name not in inputs | outputs:
+            if not name.startswith((f"_{role}_", "ansible_")) and name not in inputs | outputs:
                 strays.append(f"{tasks.relative_to(ROOT)}: {name}")
     assert not strays, strays
 
