@@ -104,3 +104,14 @@ def test_a_host_read_or_reach_check_is_one_ssh_round_trip_and_names_no_secret():
              if any(re.search(rf"\b{secret}\b", str(task["ansible.builtin.raw"])) for secret in secrets)
              or re.search(r"api_key|token|password", str(task["ansible.builtin.raw"]), re.IGNORECASE)]
     assert named == []
+
+
+def test_a_client_answer_without_ok_fails_with_the_roles_own_message():
+    """The host-side client answers {"ok", "reason", ...}; a call that timed out or crashed leaves no such answer
+    (its stdout defaults to {}). Ansible 2.19 refuses `.ok` on a dict without it ("object of type 'dict' has no
+    attribute 'ok'"), which replaced the task's own message ("refused: ...", "the re-add did not answer within its
+    timeout") with that error: every `.ok` of a parsed answer defaults to false."""
+    texts = {path.relative_to(REPO): path.read_text() for path in sorted(REPO.glob("roles/*/tasks/*.yml"))}
+    uses = [(path, m) for path, text in texts.items() for m in re.finditer(r"from_json\)\.ok\b(.{0,25})", text)]
+    assert len(uses) >= 4
+    assert [f"{path}: .ok{m.group(1)}" for path, m in uses if not m.group(1).startswith(" | default(false)")] == []
