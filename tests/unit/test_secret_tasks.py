@@ -152,6 +152,15 @@ def environment_leaks() -> list[str]:
             if (used := refers(yaml.safe_dump(task.get("environment") or {}), SECRETS))]
 
 
+def raw_leaks() -> list[str]:
+    """A raw task's command is the host's process argv (sh -c ...), as `environment:` is: no secret, not even a word
+    for one, may be in it (the host-side client's calls with a key are commands with the spec on stdin, no_log)."""
+    return [f"{where}: raw puts {sorted(used) or 'a key or token'} in the host's sh -c command line; pass it on stdin"
+            for where, task, path in all_tasks() if "ansible.builtin.raw" in task
+            and ((used := handed_over(task, path))
+                 or re.search(r"api_key|token|password", str(task["ansible.builtin.raw"]), re.IGNORECASE))]
+
+
 def unit_file_leaks() -> list[str]:
     """A file handed to k31_unit whose content, source or template refers to a secret must be `secret: true`, or
     `secret` must follow that secret. Its dest is a place (a condition there on a key only says whether the
@@ -212,6 +221,11 @@ def test_no_secret_goes_through_environment():
     assert environment_leaks() == []
 
 
+def test_no_secret_goes_into_a_raw_command():
+    assert len([task for _, task, _ in all_tasks() if "ansible.builtin.raw" in task]) >= 10
+    assert raw_leaks() == []
+
+
 def test_every_task_handing_over_a_secret_is_no_log():
     assert unlogged() == []
 
@@ -238,6 +252,8 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     bad_header = {"name": "drain", "ansible.builtin.uri": {"url": "u", "headers": "{{ _k31_redeploy_follow_config }}"}}
     assert refers(yaml.safe_dump(bad_env["environment"]), SECRETS)
     assert handed_over(bad_header, tmp_path / "x.yml") == {"_k31_redeploy_follow_config"}
+    bad_raw = {"name": "drain", "ansible.builtin.raw": "printf %s {{ k31_redeploy_router_api_key | quote }} | x"}
+    assert handed_over(bad_raw, tmp_path / "x.yml") == {"k31_redeploy_router_api_key"}
     only_condition = {"name": "c", "ansible.builtin.debug": {"msg": "hi"}, "when": "k31_router_api_key | length > 0"}
     assert handed_over(only_condition, tmp_path / "x.yml") == set()
     names = {"_k31_model_download"}
