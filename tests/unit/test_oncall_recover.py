@@ -17,6 +17,7 @@ from k31deploy.oncall import gather, probe, recover
 from k31deploy.recipe import resolve
 from k31deploy.recipe.hosts import from_mapping
 
+ROOT = Path(__file__).resolve().parents[2]
 NOW = 1_800_000_000.0
 ROUTER = "http://10.0.0.9:8000"
 
@@ -290,6 +291,54 @@ def test_the_lock_takes_only_what_was_judged_and_touches_only_its_own(tmp_path):
     assert call(op="release", id="bb22") == "" and not lock.exists()
     assert call(op="release", id="bb22") == "the redeploy lock is no longer this run's: none"
     assert not list(tmp_path.glob("run/*.tmp"))
+
+
+def test_the_roles_one_read_of_the_lock_host_gives_the_take_the_record_byte_for_byte(tmp_path):
+    """recover_start.yml reads the lock host once (raw: the client's digest, then the lock record) and installs the
+    client only where it is not this checkout's; lock.yml's record is what probe.lock compares a take against. Run
+    through a real shell against tmp_path, with the roles' own Jinja."""
+    import jinja2.nativetypes
+    import yaml
+    from ansible.plugins.filter.core import FilterModule as AnsibleCore
+
+    tasks = ROOT / "roles/k31_redeploy/tasks"
+    (read,) = [t for t in yaml.safe_load((tasks / "recover_start.yml").read_text())
+               if t["name"].startswith("Read the redeploy lock")]
+    (install,) = [t for t in yaml.safe_load((tasks / "recover_start.yml").read_text())
+                  if t["name"].startswith("Make sure the lock host")]
+    (parse,) = [t for t in yaml.safe_load((tasks / "lock.yml").read_text())
+                if t["name"].startswith("Take the lock record")]
+    assert (read["vars"]["ansible_ssh_use_tty"], read["check_mode"], read["changed_when"]) == (False, False, False)
+    lib, run = tmp_path / "lib", tmp_path / "run"
+    command = read["ansible.builtin.raw"].replace("/usr/local/lib/k31", str(lib)).replace("/run/k31", str(run))
+    # the loop natively (a list), the record as text: Ansible keeps a string that reads as JSON a string
+    native, text_env = jinja2.nativetypes.NativeEnvironment(undefined=jinja2.StrictUndefined), jinja2.Environment()
+    for env in (native, text_env):
+        env.filters.update(AnsibleCore().filters())
+    client = Path(probe.__file__)
+
+    def answer(router_host="r0", drain=True):
+        stdout = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, check=True).stdout
+        context = {"_k31_redeploy_lock_read": {"stdout": stdout}, "_k31_host_client": str(client),
+                   "_k31_redeploy_rec_spec": {"lock_host": "r0"},
+                   "_k31_redeploy_rollout": {"drain": drain, "router": {"host": router_host}},
+                   "lookup": lambda kind, path, rstrip=True: Path(path).read_text()}
+        text = text_env.from_string(parse["ansible.builtin.set_fact"]["_k31_redeploy_lock_text"]).render(**context)
+        return text, native.from_string(install["loop"]).render(**context)
+
+    assert answer() == ("", ["r0"])                                # a bare host: no lock, no client
+    assert answer("r1") == ("", ["r0", "r1"])                      # a router host apart is not read: installed
+    lib.mkdir()
+    (lib / "k31_probe.py").write_text("an older client\n")
+    assert answer(drain=False) == ("", ["r0"])
+    (lib / "k31_probe.py").write_bytes(client.read_bytes())
+    assert answer() == ("", [])                                    # this checkout's client: nothing written
+    mine = recover.lock_text(owner(id="aa11"))
+    assert probe.lock({"op": "take", "expect": "", "new": mine}, str(run / "redeploy.lock")) == ""
+    text, _ = answer()
+    assert text == mine
+    assert recover.lock_verdict(text, "r0", owner(id="aa11"))["state"] == "ours"
+    assert probe.lock({"op": "take", "expect": text, "new": mine}, str(run / "redeploy.lock")) == ""
 
 
 def test_the_lock_waits_for_a_run_inside_it_and_says_so_when_it_does_not_end(tmp_path):
