@@ -15,7 +15,7 @@ from k31deploy import address
 from k31deploy.errors import K31Error
 from k31deploy.monitoring.config import api_url
 from k31deploy.oncall import recover
-from k31deploy.oncall.rollout import http, router_url, worker_url
+from k31deploy.oncall.rollout import http, router_auth, router_url, worker_url
 from k31deploy.runner import driver
 
 PROBE = Path(__file__).with_name("probe.py")
@@ -51,8 +51,7 @@ def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if router:
         if router["kind"] == "sglang":    # its worker API wants the control-plane key, in its own env file
             base = router_url(router)
-            urls = {"readiness": f"{base}/readiness", "workers": f"{base}/workers",
-                    "auth": {"env_file": f"/etc/k31/{router['unit']}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}}
+            urls = {"readiness": f"{base}/readiness", "workers": f"{base}/workers", "auth": router_auth(router)}
         else:    # the Dynamo frontend takes clients with a cluster-CA certificate: the host's own
             base = address.url("https", router["public_address"], router["port"])
             urls = {"models": f"{base}/v1/models", "auth": dict(plan["pki"])}

@@ -98,6 +98,13 @@ def env_value(path, var):
     return None
 
 
+def router_key(auth):
+    """The router's control-plane key (the last field of id:name:role:key) in its own env file: auth {"env_file",
+    "var"}; "" when there is none."""
+    value = env_value(auth["env_file"], auth["var"])
+    return value.rsplit(":", 1)[-1] if value else ""
+
+
 def http(url, timeout=3.0, auth=None):
     """GET url. auth: {"env_file", "var"} -> a Bearer key read from the unit's own env file (the router's
     control-plane key: the last field of id:name:role:key); {"ca", "cert", "key"} -> mutual TLS with the
@@ -105,9 +112,9 @@ def http(url, timeout=3.0, auth=None):
     (public_tls) and the probe, asking its own host, does not check it."""
     headers, context = {}, None
     if auth and auth.get("env_file"):
-        value = env_value(auth["env_file"], auth["var"])
-        if value:
-            headers["Authorization"] = "Bearer " + value.rsplit(":", 1)[-1]
+        key = router_key(auth)
+        if key:
+            headers["Authorization"] = "Bearer " + key
     if auth and (auth.get("cert") or auth.get("own_tls")):
         context = ssl.create_default_context(cafile=auth.get("ca"))
         if auth.get("own_tls"):
@@ -383,12 +390,14 @@ def lock(spec, path=None, wait=10.0):
 
 
 def call_cli(action, spec):
-    """One step of k31 redeploy run on a host, its spec on stdin (it may hold the keys): drain or rejoin on the
-    router host, which asks its own router (public_tls: the site's certificate, not checked here) -- {"router",
-    "key", "timeout", "worker_url" | "worker"}; stop, start or restore on an engine host (step()), or there only
-    idle (wait_idle(): the repair's drained prefill); lock on the lock host (lock()). Prints {"ok", "reason",
-    "at"} (and step()'s "idle" or "gate"); exit 1 when not ok."""
-    headers = {"Authorization": "Bearer " + spec["key"]} if spec.get("key") else {}
+    """One step of k31 redeploy run on a host, its spec on stdin (a re-add's worker holds the engines' key): drain or
+    rejoin on the router host, which asks its own router (public_tls: the site's certificate, not checked here)
+    with the key it checks, read from its env file -- {"router", "auth", "timeout", "worker_url" | "worker"}; stop,
+    start or restore on an engine host (step()), or there only idle (wait_idle(): the repair's drained prefill);
+    lock on the lock host (lock()). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate"); exit 1 when not
+    ok."""
+    key = router_key(spec["auth"]) if spec.get("auth") else ""
+    headers = {"Authorization": "Bearer " + key} if key else {}
     context = None
     if spec.get("router", "").startswith("https:"):
         context = ssl.create_default_context()

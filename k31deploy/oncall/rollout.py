@@ -28,6 +28,13 @@ def router_url(router: dict[str, Any]) -> str:
     return url("https" if router.get("tls") else "http", router["public_address"], router["port"])
 
 
+def router_auth(router: dict[str, Any]) -> dict[str, str]:
+    """Where the host-side client, on the router's host, finds the key of the router's worker API: the router's own
+    env file (k31_router writes it, 0600) and the variable holding its control-plane key, id:name:role:key. The key
+    the running router checks, read there, so no call carries it."""
+    return {"env_file": f"/etc/k31/{router['unit']}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}
+
+
 def worker_url(server: dict[str, Any]) -> str:
     """The URL the router knows the server by: rank 0's address, as the plan's router argv writes it."""
     return http(server["ranks"][0]["address"], server["port"])
@@ -140,7 +147,7 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
         "hold_decodes": hold,
         "hold_hosts": [h for s in steps if s["role"] == "prefill" for h in s["hosts"]] if decodes else [],
         "router": {"kind": router["kind"], "host": router["host"], "port": router["port"],
-                   "url": router_url(router)} if router else None,
+                   "url": router_url(router), **({"auth": router_auth(router)} if drain else {})} if router else None,
         "drain": drain,
         "silence": silence(plan, [st["name"] for st in steps]),
         "notes": notes,

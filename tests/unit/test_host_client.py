@@ -1,6 +1,6 @@
 """The host-side client (k31deploy/oncall/probe.py, installed as k31_probe.py) against a real loopback router: the
-drain and re-add k31 redeploy runs on the router host (the key on stdin, never in argv) and the k31-pd-follow
-watcher calls, and the health classes both rely on."""
+drain and re-add k31 redeploy runs on the router host (with the key the router checks, read from the router's own
+env file: no call carries it) and the k31-pd-follow watcher calls, and the health classes both rely on."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from loopback import free_port
 
-from k31deploy.oncall import probe
+from k31deploy import envfile
+from k31deploy.oncall import probe, rollout
 
 KEY = "cp-secret-9"
 
@@ -91,41 +92,57 @@ def router():
         server.server_close()
 
 
+def router_env(tmp_path, key=KEY, container=False):
+    """The router's env file as k31_router writes it (router.env.j2: its control-plane key as id:name:role:key, a
+    container's quoting too), and the auth spec the rollout hands the client (rollout.router_auth, there)."""
+    path = tmp_path / "k31-router.env"
+    path.write_text("# Ansible managed\nRUST_LOG=info\n"
+                    + envfile.line("K31_ROUTER_CONTROL_PLANE_KEYS", "k31:k31:admin:" + key, container=container) + "\n")
+    return {**rollout.router_auth({"unit": "k31-router"}), "env_file": str(path)}
+
+
 def cli(action, spec):
     """`python3 k31_probe.py --call ACTION` as the redeploy runs it: the spec on stdin, a proxy in the
-    environment that would swallow every call."""
+    environment that would swallow every call. Neither the command line nor the spec holds the router's key."""
     env = {"PATH": os.environ["PATH"], "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
     argv = [sys.executable, "-I", probe.__file__, "--call", action]
     done = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=60,
                           check=False)
-    assert KEY not in " ".join(argv)
+    assert KEY not in " ".join(argv) and KEY not in json.dumps(spec)
     return done.returncode, json.loads(done.stdout)
 
 
-def test_the_router_host_drains_a_worker_and_waits_until_it_is_gone(router):
+@pytest.mark.parametrize("container", [False, True])
+def test_the_router_host_drains_a_worker_and_waits_until_it_is_gone(router, tmp_path, container):
     r = router([{"id": "w1", "url": "http://10.0.0.2:30000", "is_healthy": True},
                 {"id": "w2", "url": "http://10.0.0.3:30000", "is_healthy": True}])
-    rc, out = cli("drain", {"router": r.url, "key": KEY, "timeout": 10, "worker_url": "http://10.0.0.2:30000"})
+    rc, out = cli("drain", {"router": r.url, "auth": router_env(tmp_path, container=container), "timeout": 10,
+                            "worker_url": "http://10.0.0.2:30000"})
     assert (rc, out["ok"], out["reason"]) == (0, True, "")
     assert [w["id"] for w in r.workers] == ["w2"]
     assert ("DELETE", "/workers/w1") in r.seen and r.seen[-1] == ("GET", "/workers")
     assert isinstance(out["at"], float)
 
 
-def test_a_drain_the_router_refuses_says_why_and_fails(router):
+def test_a_drain_the_router_refuses_says_why_and_fails(router, tmp_path):
     r = router([{"id": "w1", "url": "http://10.0.0.2:30000", "is_healthy": True}])
-    rc, out = cli("drain", {"router": r.url, "key": "wrong", "timeout": 10, "worker_url": "http://10.0.0.2:30000"})
+    rc, out = cli("drain", {"router": r.url, "auth": router_env(tmp_path, key="wrong"), "timeout": 10,
+                            "worker_url": "http://10.0.0.2:30000"})
     assert rc == 1 and not out["ok"] and "GET /workers" in out["reason"]
+    # a router host without the env file (not k31's router): asked without a key, refused the same way
+    rc, out = cli("drain", {"router": r.url, "auth": {**router_env(tmp_path), "env_file": str(tmp_path / "none")},
+                            "timeout": 10, "worker_url": "http://10.0.0.2:30000"})
+    assert rc == 1 and "GET /workers" in out["reason"]
     assert len(r.workers) == 1
-    rc, out = cli("drain", {"router": f"http://127.0.0.1:{free_port()}", "key": KEY, "timeout": 10,
+    rc, out = cli("drain", {"router": f"http://127.0.0.1:{free_port()}", "auth": router_env(tmp_path), "timeout": 10,
                             "worker_url": "http://10.0.0.2:30000"})
     assert rc == 1 and "did not list" in out["reason"]
 
 
-def test_the_router_host_readds_a_worker_and_waits_until_it_is_healthy(router):
+def test_the_router_host_readds_a_worker_and_waits_until_it_is_healthy(router, tmp_path):
     r = router([])
     worker = {"url": "http://10.0.0.2:30000", "worker_type": "prefill", "bootstrap_port": 8998, "api_key": "ek"}
-    rc, out = cli("rejoin", {"router": r.url, "key": KEY, "timeout": 10, "worker": worker})
+    rc, out = cli("rejoin", {"router": r.url, "auth": router_env(tmp_path), "timeout": 10, "worker": worker})
     assert (rc, out["reason"]) == (0, "")
     assert r.workers[0]["body"] == worker and r.workers[0]["is_healthy"]
 

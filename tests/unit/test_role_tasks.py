@@ -7,6 +7,7 @@ how a role checks that a host answers: an SSH round trip (`raw`), not a module r
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,23 @@ def test_a_host_read_or_reach_check_is_one_ssh_round_trip():
              "Reach the host (an unreachable one stays drained and is reported)", "Reach the router host"}
     assert set(raw) >= reads | reach, sorted((reads | reach) - set(raw))
     assert [name for name in reads if raw[name].get("vars", {}).get("ansible_ssh_use_tty") is not False] == []
+
+
+def test_a_drain_asks_the_router_with_the_key_it_checks_read_on_its_host():
+    """The redeploy's and the repair's drains, and every re-add, name no router key: the host-side client reads the
+    key the running router checks from the router's env file on its host (rollout's router.auth, as k31 status
+    does), so a drain is a raw command, one SSH round trip, whose answer shows; a re-add still carries the engines'
+    key (the worker's entry), so it stays a command with its spec on stdin, no_log only where that key is set."""
+    tasks = [task for path in sorted(REPO.glob("roles/k31_redeploy/tasks/*.yml"))
+             for task in all_tasks(yaml.safe_load(path.read_text()))]
+    calls = [t for t in tasks if "--call drain" in str(t.get("ansible.builtin.raw", ""))
+             or "drain" in (t.get("ansible.builtin.command") or {}).get("argv", [])]
+    assert len(calls) == 2 and all("ansible.builtin.raw" in t and "no_log" not in t for t in calls)
+    assert all("'auth': _k31_redeploy_rollout.router.auth" in t["ansible.builtin.raw"] for t in calls)
+    (rejoin,) = [t for t in tasks if "rejoin" in (t.get("ansible.builtin.command") or {}).get("argv", [])]
+    assert "'auth': _k31_redeploy_rollout.router.auth" in rejoin["ansible.builtin.command"]["stdin"]
+    assert rejoin["no_log"] == "{{ k31_redeploy_engine_api_key | length > 0 }}"
+    assert [t["name"] for t in tasks if "router_api_key" in json.dumps(t) and "follow" not in json.dumps(t)] == []
 
 
 def test_a_client_answer_without_ok_fails_with_the_roles_own_message():
