@@ -341,6 +341,43 @@ def test_the_roles_one_read_of_the_lock_host_gives_the_take_the_record_byte_for_
     assert probe.lock({"op": "take", "expect": text, "new": mine}, str(run / "redeploy.lock")) == ""
 
 
+def test_the_repairs_probe_of_a_host_runs_its_own_client_copy_only_where_it_is_this_checkouts(tmp_path):
+    """observe_host.yml: one raw command runs the host's copy of the host-side client as k31 status's probe when its
+    digest is this checkout's; otherwise it fails without output, and the script module ships the probe instead.
+    Run through a real shell with the role's own Jinja; the answer is what the repair parses."""
+    import jinja2.nativetypes
+    import yaml
+    from ansible.plugins.filter.core import FilterModule as AnsibleCore
+
+    tasks = yaml.safe_load((ROOT / "roles/k31_redeploy/tasks/observe_host.yml").read_text())
+    own, shipped, _ = tasks
+    assert (own["vars"]["ansible_ssh_use_tty"], own["check_mode"], own["ignore_unreachable"]) == (False, False, True)
+    assert "_k31_redeploy_rec_probe_own.rc | default(1) != 0" in shipped["when"]
+    lib = tmp_path / "lib"
+    env = jinja2.nativetypes.NativeEnvironment(undefined=jinja2.StrictUndefined)
+    env.filters.update(AnsibleCore().filters())
+    spec = {"probe": str(gather.PROBE), "probe_args": {"p0": json.dumps({"mode": "status", "common": {},
+                                                                          "hosts": {"p0": {"units": {}}}})}}
+    context = {"hostvars": {"localhost": {"_k31_redeploy_rec_spec": spec}}, "inventory_hostname": "p0",
+               "_k31_redeploy_probe_python": sys.executable,
+               "lookup": lambda kind, path, rstrip=True: Path(path).read_text()}
+    context["_k31_redeploy_probe_sha"] = env.from_string(own["vars"]["_k31_redeploy_probe_sha"]).render(**context)
+    command = env.from_string(own["ansible.builtin.raw"]).render(**context).replace("/usr/local/lib/k31", str(lib))
+
+    def run():
+        return subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, check=False)
+
+    assert (run().returncode, run().stdout) == (1, "")                  # no copy on the host: shipped instead
+    lib.mkdir()
+    (lib / "k31_probe.py").write_text(gather.PROBE.read_text() + "# another version\n")
+    assert (run().returncode, run().stdout) == (1, "")
+    (lib / "k31_probe.py").write_bytes(gather.PROBE.read_bytes())
+    done = run()
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert set(answer) >= {"units", "clock"}
+
+
 def test_the_lock_waits_for_a_run_inside_it_and_says_so_when_it_does_not_end(tmp_path):
     import fcntl
     path = str(tmp_path / "redeploy.lock")
