@@ -116,13 +116,34 @@ def http(url, timeout=3.0, auth=None):
         if key:
             headers["Authorization"] = "Bearer " + key
     if auth and (auth.get("cert") or auth.get("own_tls")):
-        context = ssl.create_default_context(cafile=auth.get("ca"))
-        if auth.get("own_tls"):
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        if auth.get("cert"):
-            context.load_cert_chain(auth["cert"], auth["key"])
+        context = cluster_tls(auth)
     return request(url, headers=headers, timeout=timeout, context=context)
+
+
+def cluster_tls(auth):
+    """A TLS context: {"ca", "cert", "key"} -> mutual TLS with the host's cluster certificate; "own_tls" -> the
+    unit serves the site's certificate, not checked (the caller asks its own host)."""
+    context = ssl.create_default_context(cafile=auth.get("ca"))
+    if auth.get("own_tls"):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if auth.get("cert"):
+        context.load_cert_chain(auth["cert"], auth["key"])
+    return context
+
+
+def silence(spec):
+    """k31 redeploy's Alertmanager silence over the servers it restarts, asked on the monitoring host with its cluster
+    certificate: spec {"url": .../api/v2/silences, "auth", "body"} creates it (its id in the answer); {"url":
+    .../api/v2/silence/ID, "auth", "expire": true} expires it. {"reason": "" or why not, "id"}."""
+    try:
+        context = cluster_tls(spec["auth"])
+    except (OSError, ValueError) as exc:    # ssl.SSLError is an OSError
+        return {"reason": f"the host's cluster certificate cannot be loaded: {exc}", "id": ""}
+    answer = request(spec["url"], "DELETE" if spec.get("expire") else "POST", spec.get("body"), None, 10.0, context)
+    if answer["status"] != 200:
+        return {"reason": answer.get("error") or f"Alertmanager answered HTTP {answer['status']}", "id": ""}
+    return {"reason": "", "id": str((answer.get("json") or {}).get("silenceID") or "")}
 
 
 def request(url, method="GET", body=None, headers=None, timeout=3.0, context=None):
@@ -394,9 +415,10 @@ def call_cli(action, spec):
     rejoin on the router host, which asks its own router (public_tls: the site's certificate, not checked here)
     with the key it checks, read from its env file -- {"router", "auth", "timeout", "worker_url" | "worker"}; stop,
     start or restore on an engine host (step()), or there only idle (wait_idle(): the repair's drained prefill);
-    lock on the lock host (lock()). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate"); exit 1 when not
+    lock on the lock host (lock()); silence on the monitoring host (silence(): its "auth" is the host's cluster
+    certificate). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate", silence()'s "id"); exit 1 when not
     ok."""
-    key = router_key(spec["auth"]) if spec.get("auth") else ""
+    key = router_key(spec["auth"]) if (spec.get("auth") or {}).get("env_file") else ""
     headers = {"Authorization": "Bearer " + key} if key else {}
     context = None
     if spec.get("router", "").startswith("https:"):
@@ -415,6 +437,8 @@ def call_cli(action, spec):
         out = {"reason": lock(spec)}
     elif action == "idle":
         out = {"reason": wait_idle(spec)}
+    elif action == "silence":
+        out = silence(spec)
     elif action == "drain":
         out = {"reason": drain(call, spec["router"], spec["worker_url"], timeout)}
     else:
@@ -532,7 +556,7 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-CALLS = ("drain", "rejoin", "stop", "start", "restore", "idle", "lock")
+CALLS = ("drain", "rejoin", "stop", "start", "restore", "idle", "lock", "silence")
 
 
 # k31_redeploy runs the installed file (argv: --call CALL, the spec on stdin), and its repair ships this

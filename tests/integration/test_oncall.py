@@ -370,6 +370,7 @@ def test_b_rolling_redeploy_of_every_server_under_load_fails_no_request(cluster)
           f"during the redeploy: {len([r for r in report.records if began <= r.start <= ended])} requests started; "
           f"alerts seen: {sorted(seen)}")
     assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "did not take the redeploy's silence" not in proc.stdout    # the host-side client asked Alertmanager
     # The promise: a drained rolling redeploy fails and truncates nothing.
     assert report.failures() == [], [(r.outcome, r.detail) for r in report.failures()[:5]]
     # The load was steady: streams ran from before the redeploy until after it ended.

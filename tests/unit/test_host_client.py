@@ -326,3 +326,64 @@ def test_rank_0_ends_its_start_and_restore_with_the_health_gate_and_a_failed_gat
     (tmp_path / "refuse-start").unlink()
     rc, out = call("start", rollout=False, gate=gate)
     assert rc == 1 and out["reason"].startswith(str(tmp_path / "lib" / "k31-engine-gate") + " exited 1")
+
+
+@pytest.fixture
+def alertmanager(tmp_path):
+    """Alertmanager's silences API over mutual TLS, clients of the cluster CA only: POST /api/v2/silences answers
+    its id, DELETE /api/v2/silence/ID 200 for a silence it has, 404 else. (url, TLS files, the silences it holds)."""
+    import ssl
+
+    from k31deploy import pki
+
+    ca = pki.new_ca()
+    files = {"ca.crt": ca.cert}
+    for name, pair in (("host", pki.issue(ca, "m0", ["127.0.0.1"])),
+                       ("stranger", pki.issue(pki.new_ca(), "stranger", ["127.0.0.1"]))):
+        files[f"{name}.crt"], files[f"{name}.key"] = pair.cert, pair.key
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    for name, text in files.items():
+        (tls / name).write_text(text)
+    silences = {}
+
+    class Handler(RouterHandler):
+        def do_POST(self):
+            silences[f"s{len(silences) + 1}"] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self._answer(200, {"silenceID": f"s{len(silences)}"})
+
+        def do_DELETE(self):
+            known = silences.pop(self.path.rsplit("/", 1)[-1], None) is not None
+            self._answer(200 if known else 404, {} if known else {"error": "not found"})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls / "ca.crt"))
+    context.load_cert_chain(str(tls / "host.crt"), str(tls / "host.key"))
+    context.verify_mode = ssl.CERT_REQUIRED
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_address[1]}/api/v2", tls, silences
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_monitoring_host_silences_the_servers_a_redeploy_restarts_and_expires_it(alertmanager):
+    """k31 redeploy's silence (`--call silence`, raw on the monitoring host, with that host's cluster certificate):
+    created with its id in the answer, expired by that id; refused with the reason where the certificate is another
+    CA's or cannot be read. Its spec holds paths, never a key."""
+    url, tls, silences = alertmanager
+    auth = {"ca": str(tls / "ca.crt"), "cert": str(tls / "host.crt"), "key": str(tls / "host.key")}
+    body = {"matchers": [{"name": "k31_server", "value": "^(?:decode0|prefill0)$", "isRegex": True, "isEqual": True}],
+            "startsAt": "2026-12-06T16:00:00Z", "endsAt": "2026-12-06T18:00:00Z", "createdBy": "k31 redeploy",
+            "comment": "k31 redeploy of decode0, prefill0"}
+    rc, out = cli("silence", {"url": f"{url}/silences", "auth": auth, "body": body})
+    assert (rc, out["ok"], out["id"]) == (0, True, "s1") and silences == {"s1": body}
+    rc, out = cli("silence", {"url": f"{url}/silence/s1", "auth": auth, "expire": True})
+    assert (rc, out["ok"]) == (0, True) and silences == {}
+    rc, out = cli("silence", {"url": f"{url}/silence/s1", "auth": auth, "expire": True})
+    assert (rc, out["ok"], out["reason"]) == (1, False, "Alertmanager answered HTTP 404")
+    stranger = {**auth, "cert": str(tls / "stranger.crt"), "key": str(tls / "stranger.key")}
+    rc, out = cli("silence", {"url": f"{url}/silences", "auth": stranger, "body": body})
+    assert rc == 1 and not out["ok"] and out["reason"] and silences == {}
+    rc, out = cli("silence", {"url": f"{url}/silences", "auth": {**auth, "key": str(tls / "gone.key")}, "body": body})
+    assert rc == 1 and out["reason"].startswith("the host's cluster certificate cannot be loaded")
