@@ -138,7 +138,7 @@ def all_tasks() -> list[tuple[str, dict[str, Any], Path]]:
 
 def test_the_declared_secrets_and_what_derives_from_them_are_found():
     assert {"k31_router_api_key", "k31_engine_hf_token", "k31_model_hf_token", "k31_smoke_api_key",
-            "k31_redeploy_router_api_key", "k31_redeploy_follow_api_key", "_k31_redeploy_follow_config"} <= SECRETS
+            "k31_redeploy_follow_api_key", "_k31_redeploy_follow_config"} <= SECRETS
 
 
 def test_every_role_variable_named_like_a_secret_is_declared_no_log():
@@ -252,8 +252,8 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     bad_header = {"name": "drain", "ansible.builtin.uri": {"url": "u", "headers": "{{ _k31_redeploy_follow_config }}"}}
     assert refers(yaml.safe_dump(bad_env["environment"]), SECRETS)
     assert handed_over(bad_header, tmp_path / "x.yml") == {"_k31_redeploy_follow_config"}
-    bad_raw = {"name": "drain", "ansible.builtin.raw": "printf %s {{ k31_redeploy_router_api_key | quote }} | x"}
-    assert handed_over(bad_raw, tmp_path / "x.yml") == {"k31_redeploy_router_api_key"}
+    bad_raw = {"name": "drain", "ansible.builtin.raw": "printf %s {{ k31_redeploy_follow_api_key | quote }} | x"}
+    assert handed_over(bad_raw, tmp_path / "x.yml") == {"k31_redeploy_follow_api_key"}
     only_condition = {"name": "c", "ansible.builtin.debug": {"msg": "hi"}, "when": "k31_router_api_key | length > 0"}
     assert handed_over(only_condition, tmp_path / "x.yml") == set()
     names = {"_k31_model_download"}
