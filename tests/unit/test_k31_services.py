@@ -169,8 +169,8 @@ def test_wait_returns_once_every_endpoint_answers_200_with_the_cluster_certifica
 
 
 def test_wait_asks_again_soon_after_the_first_answer_was_not_yet(tmp_path, cluster, mtls_server):
-    """A unit that answers a moment after it was first asked (an exporter just started) is seen a tenth of a second
-    later, not after a half-second poll."""
+    """A unit that answers a moment after it was first asked (an exporter just started) is seen at the next quarter
+    second, not after a half-second poll."""
     url, ready = mtls_server
 
     def answer_soon():
