@@ -70,12 +70,6 @@ waited:
 """
 
 
-# A service just (re)started answers within a second or so: asking every quarter second then (as the engines' gate
-# does) spares a deploy most of a half-second poll. Not faster: each ask is a TLS handshake, and sixteen sandbox hosts
-# asking every 0.1 s while their exporters started on two cores made a 16-host deploy 5 % slower (A B A B).
-FIRST_POLL, FIRST_FOR = 0.25, 2.0
-
-
 def _states(module: AnsibleModule, names: list[str]) -> dict[str, tuple[str, str]]:
     """Each unit's (UnitFileState, ActiveState) from one systemctl show."""
     rc, out, err = module.run_command(["systemctl", "show", "--property=UnitFileState,ActiveState", "--",
@@ -125,7 +119,7 @@ def _wait(module: AnsibleModule, spec: dict, acted: list[str]) -> float:
             module.fail_json(msg=f"not answering within {spec['timeout']} s: {why}", acted=acted,
                              waited=round(time.monotonic() - began, 1))
         if pending:
-            time.sleep(FIRST_POLL if time.monotonic() - began < FIRST_FOR else 0.5)
+            time.sleep(0.5)
     return round(time.monotonic() - began, 1)
 
 
