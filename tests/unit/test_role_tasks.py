@@ -104,11 +104,27 @@ def test_a_drain_asks_the_router_with_the_key_it_checks_read_on_its_host():
     calls = [t for t in tasks if "--call drain" in str(t.get("ansible.builtin.raw", ""))
              or "drain" in (t.get("ansible.builtin.command") or {}).get("argv", [])]
     assert len(calls) == 2 and all("ansible.builtin.raw" in t and "no_log" not in t for t in calls)
-    assert all("'auth': _k31_redeploy_rollout.router.auth" in t["ansible.builtin.raw"] for t in calls)
+    assert all("'auth': _k31_redeploy_router_auth" in t["ansible.builtin.raw"] for t in calls)
     (rejoin,) = [t for t in tasks if "rejoin" in (t.get("ansible.builtin.command") or {}).get("argv", [])]
-    assert "'auth': _k31_redeploy_rollout.router.auth" in rejoin["ansible.builtin.command"]["stdin"]
+    assert "'auth': _k31_redeploy_router_auth" in rejoin["ansible.builtin.command"]["stdin"]
     assert rejoin["no_log"] == "{{ k31_redeploy_engine_api_key | length > 0 }}"
     assert [t["name"] for t in tasks if "router_api_key" in json.dumps(t) and "follow" not in json.dumps(t)] == []
+    # the env file is the one in the router's etc dir, a knob of k31_router (k31_router_etc_dir) an inventory may set
+    import jinja2
+    from ansible.plugins.filter.core import FilterModule as AnsibleCore
+
+    from k31deploy.oncall.rollout import router_auth
+    env = jinja2.nativetypes.NativeEnvironment()
+    env.filters.update(AnsibleCore().filters())
+    role_vars = yaml.safe_load((REPO / "roles/k31_redeploy/vars/main.yml").read_text())
+    defaults = yaml.safe_load((REPO / "roles/k31_redeploy/defaults/main.yml").read_text())
+    rollout = {"router": {"auth": router_auth({"unit": "k31-router"})}}
+    for inventory, env_file in (({}, "/etc/k31/k31-router.env"), ({"k31_router_etc_dir": "/srv/k31"},
+                                                                   "/srv/k31/k31-router.env")):
+        etc_dir = jinja2.Environment().from_string(defaults["k31_redeploy_router_etc_dir"]).render(**inventory)
+        auth = env.from_string(role_vars["_k31_redeploy_router_auth"]).render(
+            _k31_redeploy_rollout=rollout, k31_redeploy_router_etc_dir=etc_dir)
+        assert auth == {"env_file": env_file, "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}
 
 
 def test_a_client_answer_without_ok_fails_with_the_roles_own_message():
