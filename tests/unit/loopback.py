@@ -4,9 +4,20 @@ ephemeral port and stopped when the test ends (the `loopback` fixture in conftes
 from __future__ import annotations
 
 import socket
+import ssl
+from pathlib import Path
 from typing import Any
 
 from k31deploy.standin.server import serve
+
+
+def only_cluster_clients(server: Any, tls: Path) -> None:
+    """Serve `server` over TLS with the host certificate of `tls` (the `cluster` fixture's files), taking only
+    clients with a certificate of that cluster CA (mutual TLS, as k31's control planes do)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls / "ca.crt"))
+    context.load_cert_chain(str(tls / "host.crt"), str(tls / "host.key"))
+    context.verify_mode = ssl.CERT_REQUIRED
+    server.socket = context.wrap_socket(server.socket, server_side=True)
 
 
 def free_port() -> int:

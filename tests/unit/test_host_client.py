@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from loopback import free_port
+from loopback import free_port, only_cluster_clients
 
 from k31deploy import envfile
 from k31deploy.oncall import probe, rollout
@@ -329,22 +329,9 @@ def test_rank_0_ends_its_start_and_restore_with_the_health_gate_and_a_failed_gat
 
 
 @pytest.fixture
-def alertmanager(tmp_path):
+def alertmanager(cluster):
     """Alertmanager's silences API over mutual TLS, clients of the cluster CA only: POST /api/v2/silences answers
     its id, DELETE /api/v2/silence/ID 200 for a silence it has, 404 else. (url, TLS files, the silences it holds)."""
-    import ssl
-
-    from k31deploy import pki
-
-    ca = pki.new_ca()
-    files = {"ca.crt": ca.cert}
-    for name, pair in (("host", pki.issue(ca, "m0", ["127.0.0.1"])),
-                       ("stranger", pki.issue(pki.new_ca(), "stranger", ["127.0.0.1"]))):
-        files[f"{name}.crt"], files[f"{name}.key"] = pair.cert, pair.key
-    tls = tmp_path / "tls"
-    tls.mkdir()
-    for name, text in files.items():
-        (tls / name).write_text(text)
     silences = {}
 
     class Handler(RouterHandler):
@@ -357,12 +344,9 @@ def alertmanager(tmp_path):
             self._answer(200 if known else 404, {} if known else {"error": "not found"})
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls / "ca.crt"))
-    context.load_cert_chain(str(tls / "host.crt"), str(tls / "host.key"))
-    context.verify_mode = ssl.CERT_REQUIRED
-    server.socket = context.wrap_socket(server.socket, server_side=True)
+    only_cluster_clients(server, cluster)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"https://127.0.0.1:{server.server_address[1]}/api/v2", tls, silences
+    yield f"https://127.0.0.1:{server.server_address[1]}/api/v2", cluster, silences
     server.shutdown()
     server.server_close()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import ssl
 import subprocess
 import sys
 import threading
@@ -18,9 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from loopback import free_port
-
-from k31deploy import pki
+from loopback import free_port, only_cluster_clients
 
 MODULE = Path(__file__).resolve().parents[2] / "library" / "k31_services.py"
 
@@ -111,21 +108,6 @@ def test_a_failed_start_names_the_unit_and_what_was_done_before(tmp_path):
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    """A cluster CA, a host certificate for 127.0.0.1 and a stranger's (another CA), as files."""
-    ca = pki.new_ca()
-    files = {"ca.crt": ca.cert}
-    for name, pair in (("host", pki.issue(ca, "r0", ["127.0.0.1"])),
-                       ("stranger", pki.issue(pki.new_ca(), "stranger", ["127.0.0.1"]))):
-        files[f"{name}.crt"], files[f"{name}.key"] = pair.cert, pair.key
-    tls = tmp_path / "tls"
-    tls.mkdir()
-    for name, text in files.items():
-        (tls / name).write_text(text)
-    return tls
-
-
-@pytest.fixture
 def mtls_server(cluster):
     """An HTTPS server on 127.0.0.1 that takes only clients of the cluster CA; answers 200 once `ready` is set
     (503 before), in a thread; shut down at teardown."""
@@ -141,10 +123,7 @@ def mtls_server(cluster):
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(cluster / "ca.crt"))
-    context.load_cert_chain(str(cluster / "host.crt"), str(cluster / "host.key"))
-    context.verify_mode = ssl.CERT_REQUIRED
-    server.socket = context.wrap_socket(server.socket, server_side=True)
+    only_cluster_clients(server, cluster)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"https://127.0.0.1:{server.server_address[1]}/metrics", ready
