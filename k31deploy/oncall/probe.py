@@ -100,8 +100,8 @@ def env_value(path, var):
 
 def router_key(auth):
     """The router's control-plane key (the last field of id:name:role:key) in its own env file: auth {"env_file",
-    "var"}; "" when there is none."""
-    value = env_value(auth["env_file"], auth["var"])
+    "var"}; "" when there is none (or auth names no env file)."""
+    value = env_value(auth["env_file"], auth["var"]) if (auth or {}).get("env_file") else None
     return value.rsplit(":", 1)[-1] if value else ""
 
 
@@ -110,13 +110,9 @@ def http(url, timeout=3.0, auth=None):
     control-plane key: the last field of id:name:role:key); {"ca", "cert", "key"} -> mutual TLS with the
     host's cluster certificate (the Dynamo frontend); "own_tls" -> the unit serves the site's certificate
     (public_tls) and the probe, asking its own host, does not check it."""
-    headers, context = {}, None
-    if auth and auth.get("env_file"):
-        key = router_key(auth)
-        if key:
-            headers["Authorization"] = "Bearer " + key
-    if auth and (auth.get("cert") or auth.get("own_tls")):
-        context = cluster_tls(auth)
+    key = router_key(auth)
+    headers = {"Authorization": "Bearer " + key} if key else {}
+    context = cluster_tls(auth) if auth and (auth.get("cert") or auth.get("own_tls")) else None
     return request(url, headers=headers, timeout=timeout, context=context)
 
 
@@ -418,13 +414,9 @@ def call_cli(action, spec):
     lock on the lock host (lock()); silence on the monitoring host (silence(): its "auth" is the host's cluster
     certificate). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate", silence()'s "id"); exit 1 when not
     ok."""
-    key = router_key(spec["auth"]) if (spec.get("auth") or {}).get("env_file") else ""
+    key = router_key(spec.get("auth"))
     headers = {"Authorization": "Bearer " + key} if key else {}
-    context = None
-    if spec.get("router", "").startswith("https:"):
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
+    context = cluster_tls({"own_tls": True}) if spec.get("router", "").startswith("https:") else None
 
     def call(method, url, body):
         answer = request(url, method, body, headers, 10.0, context)
