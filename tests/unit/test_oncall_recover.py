@@ -356,12 +356,10 @@ def test_the_repairs_probe_of_a_host_runs_its_own_client_copy_only_where_it_is_t
     lib = tmp_path / "lib"
     env = jinja2.nativetypes.NativeEnvironment(undefined=jinja2.StrictUndefined)
     env.filters.update(AnsibleCore().filters())
-    spec = {"probe": str(gather.PROBE), "probe_args": {"p0": json.dumps({"mode": "status", "common": {},
-                                                                          "hosts": {"p0": {"units": {}}}})}}
+    spec = role_filters()["k31_redeploy_recover_spec"](plan())    # with p0's units left out (not on this machine)
+    spec["probe_args"]["p0"] = json.dumps({"mode": "status", "common": {}, "hosts": {"p0": {"units": {}}}})
     context = {"hostvars": {"localhost": {"_k31_redeploy_rec_spec": spec}}, "inventory_hostname": "p0",
-               "_k31_redeploy_probe_python": sys.executable,
-               "lookup": lambda kind, path, rstrip=True: Path(path).read_text()}
-    context["_k31_redeploy_probe_sha"] = env.from_string(own["vars"]["_k31_redeploy_probe_sha"]).render(**context)
+               "_k31_redeploy_probe_python": sys.executable}
     command = env.from_string(own["ansible.builtin.raw"]).render(**context).replace("/usr/local/lib/k31", str(lib))
 
     def run():

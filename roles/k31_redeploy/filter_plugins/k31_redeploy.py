@@ -4,6 +4,7 @@ k31deploy.oncall.rollout and k31deploy.oncall.recover)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -45,10 +46,12 @@ def k31_redeploy_follow_config(plan: dict[str, Any], host: str, settings: dict[s
 
 
 def k31_redeploy_recover_spec(plan: dict[str, Any]) -> dict[str, Any]:
-    """Where the repair looks: the lock host, the probe (k31 status's own) and its argument for each host,
-    and one rollout-style step per server (drain, restart and re-add use the same fields)."""
+    """Where the repair looks: the lock host, the probe (k31 status's own; its sha256, which a host's installed copy
+    must have to be run instead) and its argument for each host, and one rollout-style step per server (drain,
+    restart and re-add use the same fields)."""
     specs = gather.host_specs(plan)
     return {"lock_host": recover.lock_host(plan), "probe": str(gather.PROBE),
+            "probe_sha256": hashlib.sha256(gather.PROBE.read_bytes()).hexdigest(),
             "probe_args": {h: json.dumps({"mode": "status", "common": {}, "hosts": {h: spec}})
                            for h, spec in specs.items()},
             "hosts": list(specs), "steps": {s["name"]: server_step(s, "repair") for s in plan["servers"]},
