@@ -111,6 +111,7 @@ def test_a_drain_asks_the_router_with_the_key_it_checks_read_on_its_host():
     assert [t["name"] for t in tasks if "router_api_key" in json.dumps(t) and "follow" not in json.dumps(t)] == []
     # the env file is the one in the router's etc dir, a knob of k31_router (k31_router_etc_dir) an inventory may set
     import jinja2
+    import jinja2.nativetypes
     from ansible.plugins.filter.core import FilterModule as AnsibleCore
 
     from k31deploy.oncall.rollout import router_auth
