@@ -407,9 +407,10 @@ def lock(spec, path=None, wait=10.0):
 
 
 def call_cli(action, spec):
-    """One step of k31 redeploy run on a host, its spec on stdin (a re-add's worker holds the engines' key): drain or
-    rejoin on the router host, which asks its own router (public_tls: the site's certificate, not checked here)
-    with the key it checks, read from its env file -- {"router", "auth", "timeout", "worker_url" | "worker"}; stop,
+    """One step of k31 redeploy run on a host, its spec on stdin: drain or rejoin on the router host, which asks its
+    own router (public_tls: the site's certificate, not checked here) with the key it checks, read from its env
+    file, as is the key a re-added worker's entry carries (the one the router sends its workers) --
+    {"router", "auth", "timeout", "worker_url" | "worker"}; stop,
     start or restore on an engine host (step()), or there only idle (wait_idle(): the repair's drained prefill);
     lock on the lock host (lock()); silence on the monitoring host (silence(): its "auth" is the host's cluster
     certificate). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate", silence()'s "id"); exit 1 when not
@@ -434,7 +435,11 @@ def call_cli(action, spec):
     elif action == "drain":
         out = {"reason": drain(call, spec["router"], spec["worker_url"], timeout)}
     else:
-        out = {"reason": rejoin(call, spec["router"], spec["worker"], timeout)}
+        # the worker's entry gets the key the router sends its workers, from the same env file ("" where unset)
+        auth = spec.get("auth") or {}
+        worker_key = env_value(auth["env_file"], auth["worker_var"]) if auth.get("worker_var") else None
+        worker = {**spec["worker"], **({"api_key": worker_key} if worker_key else {})}
+        out = {"reason": rejoin(call, spec["router"], worker, timeout)}
     print(json.dumps({"ok": not out["reason"], **out, "at": time.time()}))
     return 1 if out["reason"] else 0
 

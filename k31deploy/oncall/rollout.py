@@ -29,10 +29,12 @@ def router_url(router: dict[str, Any]) -> str:
 
 
 def router_auth(router: dict[str, Any]) -> dict[str, str]:
-    """Where the host-side client, on the router's host, finds the key of the router's worker API: the router's own
-    env file (k31_router writes it, 0600) and the variable holding its control-plane key, id:name:role:key. The key
-    the running router checks, read there, so no call carries it."""
-    return {"env_file": f"/etc/k31/{router['unit']}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}
+    """Where the host-side client, on the router's host, finds the router's keys: its own env file (k31_router writes
+    it, 0600), the variable holding the control-plane key its worker API checks (id:name:role:key), and the one
+    holding the key it sends its workers (--api-key: the engines' key, which a re-added worker's entry carries).
+    The keys the running router uses, read there, so no call carries them."""
+    return {"env_file": f"/etc/k31/{router['unit']}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS",
+            "worker_var": "K31_ROUTER_API_KEY"}
 
 
 def worker_url(server: dict[str, Any]) -> str:

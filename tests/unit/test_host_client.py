@@ -20,6 +20,7 @@ from k31deploy import envfile
 from k31deploy.oncall import probe, rollout
 
 KEY = "cp-secret-9"
+WORKER_KEY = "engines-secret-4"
 
 
 class Router(http.server.ThreadingHTTPServer):
@@ -92,11 +93,13 @@ def router():
         server.server_close()
 
 
-def router_env(tmp_path, key=KEY, container=False):
-    """The router's env file as k31_router writes it (router.env.j2: its control-plane key as id:name:role:key, a
-    container's quoting too), and the auth spec the rollout hands the client (rollout.router_auth, there)."""
+def router_env(tmp_path, key=KEY, container=False, worker_key=WORKER_KEY):
+    """The router's env file as k31_router writes it (router.env.j2: the key it sends its workers, its control-plane
+    key as id:name:role:key, a container's quoting too), and the auth spec the rollout hands the client
+    (rollout.router_auth, there)."""
     path = tmp_path / "k31-router.env"
     path.write_text("# Ansible managed\nRUST_LOG=info\n"
+                    + (envfile.line("K31_ROUTER_API_KEY", worker_key, container=container) + "\n" if worker_key else "")
                     + envfile.line("K31_ROUTER_CONTROL_PLANE_KEYS", "k31:k31:admin:" + key, container=container) + "\n")
     return {**rollout.router_auth({"unit": "k31-router"}), "env_file": str(path)}
 
@@ -108,7 +111,7 @@ def cli(action, spec):
     argv = [sys.executable, "-I", probe.__file__, "--call", action]
     done = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=60,
                           check=False)
-    assert KEY not in " ".join(argv) and KEY not in json.dumps(spec)
+    assert not {KEY, WORKER_KEY} & {*argv, *json.dumps(spec).split('"')}
     return done.returncode, json.loads(done.stdout)
 
 
@@ -139,12 +142,25 @@ def test_a_drain_the_router_refuses_says_why_and_fails(router, tmp_path):
     assert rc == 1 and "did not list" in out["reason"]
 
 
-def test_the_router_host_readds_a_worker_and_waits_until_it_is_healthy(router, tmp_path):
+@pytest.mark.parametrize("container", [False, True])
+def test_the_router_host_readds_a_worker_with_the_key_the_router_sends_its_workers(router, tmp_path, container):
+    """The worker's entry carries the engines' key, read (like the control-plane key the call is made with) from
+    the router's env file on its host, so the spec the redeploy pipes in holds neither."""
     r = router([])
-    worker = {"url": "http://10.0.0.2:30000", "worker_type": "prefill", "bootstrap_port": 8998, "api_key": "ek"}
-    rc, out = cli("rejoin", {"router": r.url, "auth": router_env(tmp_path), "timeout": 10, "worker": worker})
+    worker = {"url": "http://10.0.0.2:30000", "worker_type": "prefill", "bootstrap_port": 8998}
+    rc, out = cli("rejoin", {"router": r.url, "auth": router_env(tmp_path, container=container), "timeout": 10,
+                             "worker": worker})
     assert (rc, out["reason"]) == (0, "")
-    assert r.workers[0]["body"] == worker and r.workers[0]["is_healthy"]
+    assert r.workers[0]["body"] == {**worker, "api_key": WORKER_KEY} and r.workers[0]["is_healthy"]
+
+
+def test_a_router_without_a_worker_key_gets_the_worker_without_one(router, tmp_path):
+    r = router([])
+    worker = {"url": "http://10.0.0.2:30000"}
+    rc, out = cli("rejoin", {"router": r.url, "auth": router_env(tmp_path, worker_key=""), "timeout": 10,
+                             "worker": worker})
+    assert (rc, out["reason"]) == (0, "")
+    assert r.workers[0]["body"] == worker
 
 
 def test_a_readded_worker_the_router_never_finds_healthy_fails_after_the_timeout(router):

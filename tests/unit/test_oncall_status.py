@@ -60,7 +60,8 @@ def test_each_host_probes_its_own_units_where_they_bind():
     assert specs["r0"]["units"]["k31-router"] == {
         "readiness": f"http://{public}:8000/readiness", "workers": f"http://{public}:8000/workers",
         # the worker API wants the router's control-plane key: the probe reads it from the router's env file
-        "auth": {"env_file": "/etc/k31/k31-router.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS"}}
+        "auth": {"env_file": "/etc/k31/k31-router.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS",
+                 "worker_var": "K31_ROUTER_API_KEY"}}
     assert gather.plan_hosts(plan()) == ["p0", "d0", "d1", "r0"]
 
 
