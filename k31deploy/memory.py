@@ -23,9 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from k31deploy.catalog import catalog, mem_fraction_static_max
+from k31deploy.catalog import catalog, load_yaml, mem_fraction_static_max
 from k31deploy.errors import K31Error
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "memory.yaml"
@@ -37,8 +35,7 @@ MIB = 1 << 20
 @cache
 def constants() -> dict[str, Any]:
     """data/memory.yaml."""
-    with DATA_FILE.open(encoding="utf-8") as fh:
-        return yaml.safe_load(fh)
+    return load_yaml(DATA_FILE)
 
 
 def fmt_bytes(n: float) -> str:

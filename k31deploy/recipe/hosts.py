@@ -14,10 +14,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from k31deploy import envfile, validate
-from k31deploy.catalog import ROLES, knob_specs
+from k31deploy.catalog import ROLES, knob_specs, load_yaml
 from k31deploy.errors import K31Error
 from k31deploy.recipe.knobs import closest
 
@@ -86,7 +84,7 @@ def role_variables() -> dict[str, dict[str, Any]]:
     for path in specs:
         if path.parts[-3] in INTERNAL_ROLES:
             continue
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path) or {}
         for entry in (data.get("argument_specs") or {}).values():
             for name, spec in (entry.get("options") or {}).items():
                 found.setdefault(name, {**spec, "role": path.parts[-3]})

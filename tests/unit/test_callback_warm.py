@@ -56,3 +56,38 @@ def test_the_playbooks_process_loads_the_filters_once_for_every_task(project):
 
 def test_without_it_each_task_loads_them_again(project):
     assert len(set(loads(project, str(project / "none")))) == 5
+
+
+DATA_PLAYBOOK = """\
+- name: Tasks that read the recipe's data
+  hosts: localhost
+  gather_facts: false
+  tasks:
+""" + "".join(f"    - name: Task {i}\n      ansible.builtin.debug:\n        msg: \"{{{{ [{i}] | k31_parsed }}}}\"\n"
+              for i in range(3))
+DATA_FILTER = """\
+import os
+from k31deploy import catalog, memory
+
+
+def parsed(value):
+    # what this worker found already parsed when its task began (inherited from the playbook's process)
+    with open(os.environ["K31_LOADS"], "a") as f:
+        f.write(f"{catalog.flag_registry.cache_info().currsize}{memory.constants.cache_info().currsize}\\n")
+    return value
+
+
+class FilterModule:
+    def filters(self):
+        return {"k31_parsed": parsed}
+"""
+
+
+@pytest.mark.parametrize(("callbacks", "found"), [("callback_plugins", "11"), ("none", "00")])
+def test_the_workers_inherit_the_recipes_data_parsed(project, callbacks, found):
+    """flags.yaml and memory.yaml, parsed once in the playbook's process: without it, every worker whose task reads
+    them (k31_monitoring_args, once per host) parsed them again."""
+    (project / "filter_plugins" / "k31_loaded.py").write_text(DATA_FILTER.replace("k31_parsed", "k31_loaded"))
+    (project / "play.yml").write_text(DATA_PLAYBOOK.replace("k31_parsed", "k31_loaded"))
+    where = str(ROOT / callbacks) if callbacks == "callback_plugins" else str(project / callbacks)
+    assert loads(project, where) == [found] * 3

@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from ansible.errors import AnsibleFilterError
 from ansible.module_utils.parsing.convert_bool import boolean
 
 try:
     from k31deploy import imagearchive, wheelhouse
+    from k31deploy.catalog import load_yaml
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import rules as monitoring_rules
     from k31deploy.recipe.hosts import ENGINE_GROUPS, PEM_ROLE_VARS, is_pem, serves_image
@@ -39,12 +39,6 @@ SET_TAGS = {
 }
 
 
-def _load(path: Path) -> Any:
-    """A role file's YAML, with libyaml's parser where PyYAML was built with it (ten times the pure-Python one's
-    speed; these files are read on every run)."""
-    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-
-
 def role_defaults(playbook_dir: str) -> dict[str, Any]:
     """Every role's defaults, `{{ playbook_dir }}` and the shared paths of roles/k31 (`{{ _k31_wheelhouse }}`)
     filled in as the roles see them."""
@@ -56,12 +50,12 @@ def role_defaults(playbook_dir: str) -> dict[str, Any]:
         return value
 
     names = {"playbook_dir": playbook_dir}
-    shared = _load(ROLES / "k31" / "vars" / "main.yml") or {}
+    shared = load_yaml(ROLES / "k31" / "vars" / "main.yml") or {}
     names |= {name: fill(value, names) for name, value in shared.items()
               if isinstance(value, str) and value.count("{{") == 1 and "playbook_dir" in value}
     out: dict[str, Any] = {}
     for path in sorted(ROLES.glob("*/defaults/main.yml")):
-        for name, value in (_load(path) or {}).items():
+        for name, value in (load_yaml(path) or {}).items():
             out[name] = fill(value, names)
     return out
 
@@ -69,7 +63,7 @@ def role_defaults(playbook_dir: str) -> dict[str, Any]:
 def secret_names() -> list[str]:
     names: set[str] = set()
     for path in ROLES.glob("*/meta/argument_specs.yml"):
-        for spec in ((_load(path) or {}).get("argument_specs") or {}).values():
+        for spec in ((load_yaml(path) or {}).get("argument_specs") or {}).values():
             names |= {n for n, o in (spec.get("options") or {}).items() if (o or {}).get("no_log")}
     return sorted(names)
 
