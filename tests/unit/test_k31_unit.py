@@ -6,6 +6,7 @@ writes below the stage root."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,7 @@ def test_every_name_a_role_defines_is_an_input_or_its_own_internal():
 SECRET = "k31-test-secret-4c1d"
 INCLUDE = {"k31_unit_name": "k31-watch", "k31_unit_service": {"Description": "d", "ExecStart": "/x"},
            "k31_unit_stage_dir": "", "k31_unit_first": False, "k31_unit_restart": False, "k31_unit_watch": [],
+           "k31_unit_current_check": False,
            "k31_unit_files": [{"dest": "/etc/k31/watch.json", "content": SECRET, "mode": "0600", "secret": True},
                               {"dest": "/etc/k31/watch.py", "src": "watch.py", "mode": "0755"},
                               {"dest": "/etc/k31/watch.sh", "template": "watch.sh.j2", "mode": "0755",
@@ -232,7 +234,8 @@ def _block_scope(include: dict, contexts: list[dict]) -> tuple[dict, dict, dict]
     """k31_unit's "Write the units' ..." block, its variables worked out for `include` with one unit per context."""
     # Ansible's own filters Jinja lacks (its versions of Jinja's builtins need its templar)
     ansible_filters = {**CoreFilters().filters(), **MathFilters().filters()}
-    filters = {name: ansible_filters[name] for name in ("bool", "combine", "dirname", "flatten", "unique")}
+    filters = {name: ansible_filters[name]
+               for name in ("bool", "combine", "dirname", "flatten", "unique", "quote", "hash")}
     worked_out = _unit_task("Work out each unit's name, files and directives")
     results = []
     for context in contexts:
@@ -250,6 +253,11 @@ def _block_scope(include: dict, contexts: list[dict]) -> tuple[dict, dict, dict]
     return block, scope, filters
 
 
+def _writers(block: dict) -> list[dict]:
+    """The block's two k31_files runs: the secret files', then the others'."""
+    return [task for task in block["block"] if "k31_files" in task]
+
+
 def _written(block: dict, scope: dict, filters: dict, task: dict) -> list[dict]:
     """The files a write task of the block hands k31_files, `_k31_unit_rendered` worked out with the task's vars."""
     here = {**scope, **task.get("vars", {})}
@@ -261,7 +269,7 @@ def test_a_hosts_files_and_units_go_in_one_run_and_the_secret_ones_in_a_no_log_r
     asked = []
     block, scope, filters = _block_scope(INCLUDE, [{"rank": 0}, {"rank": 1}])
     scope["lookup"] = lambda *args, **options: asked.append(args[1]) or _lookup(*args, **options)
-    secret_task, plain_task = block["block"][:2]
+    secret_task, plain_task = _writers(block)
     assert secret_task["no_log"] is True and "no_log" not in plain_task
     assert secret_task["vars"] == {"_k31_unit_secrets": True} and plain_task["vars"] == {"_k31_unit_secrets": False}
     secret, plain = (_written(block, scope, filters, task) for task in (secret_task, plain_task))
@@ -287,7 +295,7 @@ def test_a_hosts_files_and_units_go_in_one_run_and_the_secret_ones_in_a_no_log_r
 def test_a_staged_render_puts_the_unit_files_below_the_stage_root():
     block, scope, filters = _block_scope({**INCLUDE, "k31_unit_stage_dir": "/var/lib/k31/next"}, [{}])
     assert scope["_k31_unit_list"][0]["path"] == "/var/lib/k31/next/etc/systemd/system/k31-watch.service"
-    assert _written(block, scope, filters, block["block"][1])[-1]["dest"] == scope["_k31_unit_list"][0]["path"]
+    assert _written(block, scope, filters, _writers(block)[1])[-1]["dest"] == scope["_k31_unit_list"][0]["path"]
 
 
 @pytest.mark.parametrize(("written", "secret", "restarted", "reload"), [
@@ -331,7 +339,7 @@ def test_no_task_that_logs_carries_a_secret_file():
     worked_out = _unit_task("Work out each unit's name, files and directives")
     assert native(worked_out["no_log"].strip(), INCLUDE, filters) is True
     logged = 0
-    for task in [*block["block"][:2], *block["block"][-1]["block"]]:
+    for task in [*_writers(block), *block["block"][-1]["block"]]:
         if task.get("no_log") is True:
             continue
         loop_var = task.get("loop_control", {}).get("loop_var", "item")
@@ -346,3 +354,63 @@ def test_no_task_that_logs_carries_a_secret_file():
             assert SECRET not in repr(handed), task["name"]
             assert SECRET not in repr(item), task["name"]
     assert logged == 3     # the other files and the unit files, and the two units' starts: the check looked at them
+
+
+# --- k31_unit_current_check: one raw read, and the writes and starts skipped where all is in place ----------------
+
+def test_the_current_check_reads_the_host_through_a_real_shell_and_skips_only_what_is_all_in_place(tmp_path):
+    """The read's own command (mode, owner, digest of every file the runs would write; each unit enabled and
+    active) against real files, compared by the role's own Jinja: in place only when every file, mode and unit
+    is; the writes and the start then skip. A unit that asks to restart, a changed file or mode, a missing file or
+    a stopped unit each make it write and start as before."""
+    include = {**INCLUDE, "k31_unit_current_check": True, "k31_unit_stage_dir": str(tmp_path),
+               "k31_unit_files": [{"dest": str(tmp_path / "watch.json"), "content": SECRET, "mode": "0600",
+                                   "secret": True},
+                                  {"dest": str(tmp_path / "watch.sh"), "content": "#!/bin/sh\n", "mode": "0755"}],
+               "k31_unit_shared_files": []}
+    block, scope, filters = _block_scope(include, [{}])
+    read = next(t for t in block["block"] if "ansible.builtin.raw" in t)
+    decide = next(t for t in block["block"] if "ansible.builtin.set_fact" in t)
+    assert read["no_log"] is True and decide["no_log"] is True and read["check_mode"] is False
+    here = {**scope, **read["vars"]}
+    here["_k31_unit_rendered"] = native(block["vars"]["_k31_unit_rendered"].strip(), here, filters)
+    files = here["_k31_unit_rendered"]
+    assert [f["dest"] for f in files] == [str(tmp_path / "watch.json"), str(tmp_path / "watch.sh"),
+                                          scope["_k31_unit_list"][0]["path"]]
+    command = native(read["ansible.builtin.raw"], here, filters)
+    assert SECRET not in command
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text('#!/bin/sh\nverb=$1; shift 2\nfor u; do\n'
+                                       'if [ "$verb" = is-enabled ]; then echo enabled; else cat "$STATE"; fi\ndone\n')
+    (bin_dir / "systemctl").chmod(0o755)
+
+    def in_place(state: str = "active", restart: bool = False) -> bool:
+        (tmp_path / "state").write_text(state + "\n")
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True,
+                              env={"PATH": f"{bin_dir}:/usr/bin:/bin", "STATE": str(tmp_path / "state")})
+        lines = done.stdout.splitlines()
+        units = [{**u, "restart": restart} for u in scope["_k31_unit_list"]]
+        fact = native(decide["ansible.builtin.set_fact"]["_k31_unit_current"].strip(),
+                      {**here, "_k31_unit_read": {"stdout_lines": lines}, "_k31_unit_list": units}, filters)
+        # the unit file went below tmp_path by way of the stage root; the check itself runs on live paths
+        return native(block["vars"]["_k31_unit_in_place"].strip(),
+                      {**scope, "k31_unit_stage_dir": "", "_k31_unit_current": fact}, filters)
+
+    assert in_place() is False    # nothing there yet
+    for f in files:
+        Path(f["dest"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(f["dest"]).write_text(f["content"])
+        Path(f["dest"]).chmod(int(f["mode"], 8))
+    assert in_place() is True
+    assert in_place(state="inactive") is False and in_place(restart=True) is False
+    (tmp_path / "watch.sh").chmod(0o700)
+    assert in_place() is False
+    (tmp_path / "watch.sh").chmod(0o755)
+    (tmp_path / "watch.json").write_text(SECRET + "2")
+    assert in_place() is False
+    # what skips: both writes and the start, on this include's own answer only
+    guarded = [*_writers(block), block["block"][-1]]
+    assert all("not _k31_unit_in_place" in str(t["when"]) for t in guarded)
+    assert native(block["vars"]["_k31_unit_in_place"].strip(),
+                  {**scope, "k31_unit_current_check": False, "_k31_unit_current": True}, filters) is False
