@@ -21,7 +21,7 @@ try:
     from k31deploy.catalog import load_yaml
     from k31deploy.errors import K31Error
     from k31deploy.monitoring import rules as monitoring_rules
-    from k31deploy.recipe.hosts import ENGINE_GROUPS, PEM_ROLE_VARS, is_pem, serves_image
+    from k31deploy.recipe.hosts import ENGINE_GROUPS, PEM_ROLE_VARS, is_pem, role_variables, serves_image
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
@@ -61,11 +61,9 @@ def role_defaults(playbook_dir: str) -> dict[str, Any]:
 
 
 def secret_names() -> list[str]:
-    names: set[str] = set()
-    for path in ROLES.glob("*/meta/argument_specs.yml"):
-        for spec in ((load_yaml(path) or {}).get("argument_specs") or {}).values():
-            names |= {n for n, o in (spec.get("options") or {}).items() if (o or {}).get("no_log")}
-    return sorted(names)
+    """The role variables whose argument specs say no_log: the resolver's own reading of the specs (cached, and
+    parsed before the workers fork, callback_plugins/k31_warm.py)."""
+    return sorted(name for name, spec in role_variables().items() if spec.get("no_log"))
 
 
 class Unreadable(Exception):
@@ -127,7 +125,7 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
     """Every secret a host of the plan (or the controller) defines must resolve to a one-line, non-empty value;
     the router key must be one the router can keep out of argv, and the same wherever it is read."""
     keys: dict[str, str] = {}
-    names = secret_names()    # 24 specs parsed once, not once a host
+    names = secret_names()
     for host in hosts.values():
         for var in names:
             if not host.has(var):
