@@ -1,18 +1,15 @@
 """A reproducible tarball of the k31deploy package, for nodes that run the stand-in.
 
 Same sources -> same bytes (sorted entries, fixed mtimes and owners, no bytecode), so the
-playbooks' copy of it reports "changed" only when the code really changed.
-
-    python -m k31deploy.bundle DEST.tar
+playbooks' copy of it reports "changed" only when the code really changed. Written by k31_engine's lookup
+k31_bundle (in the controller's process) and by the sandbox image build (sandbox/serving.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
-import sys
 import tarfile
 from pathlib import Path
 
@@ -52,8 +49,3 @@ def write_bundle(dest: Path) -> tuple[bool, str]:
     tmp.write_bytes(content)
     os.replace(tmp, dest)
     return True, digest
-
-
-if __name__ == "__main__":
-    changed, digest = write_bundle(Path(sys.argv[1]))
-    print(json.dumps({"changed": changed, "digest": digest}))

@@ -154,7 +154,7 @@ def environment_leaks() -> list[str]:
 
 def raw_leaks() -> list[str]:
     """A raw task's command is the host's process argv (sh -c ...), as `environment:` is: no secret, not even a word
-    for one, may be in it (the host-side client's calls with a key are commands with the spec on stdin, no_log)."""
+    for one, may be in it (the host-side client reads the keys it needs on the host, from the units' own files)."""
     return [f"{where}: raw puts {sorted(used) or 'a key or token'} in the host's sh -c command line; pass it on stdin"
             for where, task, path in all_tasks() if "ansible.builtin.raw" in task
             and ((used := handed_over(task, path))
