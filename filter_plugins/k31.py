@@ -253,9 +253,9 @@ def k31_monitoring_writes(stale: list[str], files: dict[str, str]) -> list[dict[
     return converge.writes(list(stale), dict(files))
 
 
-def k31_monitoring_unit_actions(units: Any, written: Any, tls_written: Any, secret_written: Any) -> list[dict]:
-    """Restart, reload or start each unit for what the run wrote (k31deploy.monitoring.converge)."""
-    return converge.unit_actions(list(units), list(written or []), list(tls_written or []), bool(secret_written))
+def k31_monitoring_unit_actions(units: Any, files: Any) -> list[dict]:
+    """Each unit for k31_files, with the files that restart or reload it (k31deploy.monitoring.converge)."""
+    return converge.unit_actions(list(units), list(files))
 
 
 def k31_stamp_inputs(plan: dict[str, Any], hostvars: Any, hosts: list[str], playbook_dir: str,

@@ -15,6 +15,7 @@ from typing import Any
 OURS = "/etc/k31/monitoring"     # k31's own configuration: readable by group prometheus only
 ARGS = "/etc/default/"           # each unit's arguments: a change restarts the unit
 NO_RELOAD = ("prometheus-node-exporter",)   # reads only its arguments; Debian's unit has no ExecReload
+TLS_COPIES = tuple(f"{OURS}/tls/{name}" for name in ("ca.crt", "host.crt", "host.key"))   # the units' certificate
 _DIGEST = re.compile(r"^([0-9a-f]{64})  (/.*)$")
 
 
@@ -55,12 +56,13 @@ def writes(stale: Iterable[str], files: Mapping[str, str]) -> list[dict[str, str
              "mode": "0640" if _ours(p) else "0644"} for p in stale]
 
 
-def unit_actions(units: Iterable[str], written: Iterable[str], tls_written: Iterable[str],
-                 secret_written: bool) -> list[dict[str, str]]:
-    """library/k31_services.py's entries: new arguments (/etc/default) or certificates restart every unit, new
-    configuration reloads them (the node exporter starts only), otherwise each is only made to run."""
-    written = list(written)
-    restart = any(p.startswith(ARGS) for p in written) or any(re.fullmatch(r".*/tls/.+", p) for p in tls_written)
-    reload = bool(written) or bool(secret_written)
-    return [{"name": u, "state": "restarted" if restart else
-             "reloaded" if reload and u not in NO_RELOAD else "started"} for u in units]
+def unit_actions(units: Iterable[str], files: Iterable[str]) -> list[dict[str, Any]]:
+    """library/k31_files.py's units: each started, restarted where its arguments (/etc/default, every unit's: one
+    changed restarts all of them, as their shared certificate copies do) changed, reloaded where k31's configuration
+    did (not the node exporter: it has no reload and reads only its arguments). k31_files decides from what its run,
+    and the runs it is told of, changed."""
+    files = list(files)
+    restart_on = [p for p in files if p.startswith(ARGS)] + list(TLS_COPIES)
+    reload_on = [p for p in files if not p.startswith(ARGS)]
+    return [{"name": u, "state": "started", "restart_on": restart_on,
+             "reload_on": [] if u in NO_RELOAD else reload_on} for u in units]

@@ -5,6 +5,7 @@ into the run records."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -145,8 +146,22 @@ def test_dirs_are_made_or_fixed_first_and_a_src_file_is_copied_without_showing_i
     assert k31_files(tmp_path, files, dirs=dirs)["changed_files"] == [str(tls)] and tls.stat().st_mode & 0o777 == 0o750
 
 
-def test_a_file_takes_content_or_src_and_a_missing_src_is_named(tmp_path):
+def test_a_file_takes_one_of_content_content_base64_and_src_and_a_missing_src_is_named(tmp_path):
     both = k31_files(tmp_path, [{"dest": str(tmp_path / "a"), "content": "x", "src": "/etc/hostname", "mode": "0644"}])
-    assert both["failed"] and "one of content and src" in both["msg"]
+    assert both["failed"] and "one of content, content_base64 and src" in both["msg"]
+    none = k31_files(tmp_path, [{"dest": str(tmp_path / "a"), "mode": "0644"}])
+    assert none["failed"] and "one of content, content_base64 and src" in none["msg"]
     missing = k31_files(tmp_path, [{"dest": str(tmp_path / "a"), "src": str(tmp_path / "none"), "mode": "0644"}])
     assert missing["failed"] and str(tmp_path / "none") in missing["msg"] and not (tmp_path / "a").exists()
+
+
+def test_content_base64_writes_the_bytes_never_shows_them_and_refuses_what_is_not_base64(tmp_path):
+    """The stand-in bundle (a tarball) goes to the hosts this way, in the module run, not a copy task's three steps."""
+    data = bytes(range(256)) * 64
+    dest = tmp_path / "bundle.tar"
+    files = [{"dest": str(dest), "content_base64": base64.b64encode(data).decode(), "mode": "0644"}]
+    result = k31_files(tmp_path, files, diff=True)
+    assert result["changed_files"] == [str(dest)] and dest.read_bytes() == data and result["diff"] == []
+    assert k31_files(tmp_path, files)["changed_files"] == []
+    bad = k31_files(tmp_path, [{**files[0], "content_base64": "not base64!"}])
+    assert bad["failed"] and "content_base64 is not base64" in bad["msg"] and dest.read_bytes() == data

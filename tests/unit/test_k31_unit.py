@@ -13,6 +13,7 @@ import pytest
 import yaml
 from ansible.plugins.filter.core import FilterModule as CoreFilters
 from ansible.plugins.filter.mathstuff import FilterModule as MathFilters
+from test_k31_files_units import k31_units as k31_files_units
 from unit_render import native, render_units, unit_include
 
 from k31deploy import launch
@@ -83,19 +84,36 @@ def _unit_task(name: str) -> dict:
 
 def _settings(host: str, key: str, stage: str = "") -> list:
     task_vars = unit_include(ENGINE_UNITS)["vars"]
-    scope = {**engine_context(host, stage=stage), **{k: v for k, v in task_vars.items() if k.startswith("_")}}
+    scope = {**engine_context(host, stage=stage), **{k: v for k, v in task_vars.items() if k.startswith("_")},
+             "_k31_plan": PLAN}
     return [native(task_vars[key], {**scope, "k31_unit_context": rank}, {}) for rank in scope["_k31_engine_ranks"]]
 
 
 def test_decode_ranks_start_first_and_the_others_after():
+    """Where the plan has decodes, the write run starts only the first group (an engine's decodes) and the next
+    task, on every host once all of them ran it, the others: a prefill host starts nothing in its write run, so no
+    prefill starts before every decode did. Without decodes, the write run starts every unit of its host."""
     assert _settings("node1", "k31_unit_first") == [True]
     assert _settings("node0", "k31_unit_first") == [False]
-    starts = _unit_task("Write the units' files and unit files, then start them")["block"][-1]["block"]
+    assert _settings("node0", "k31_unit_first_in_play") == [True]
+    block = _unit_task("Write the units' files and unit files, then start them")
+    write, after = _starters(block)
     units = [{"name": "k31-decode0-r0", "first": True, "restart": False, "path": "/d"},
              {"name": "k31-prefill0-r0", "first": False, "restart": False, "path": "/p"}]
-    scope = {"_k31_unit_list": units, "_k31_unit_changed": [], "_k31_unit_rewritten": [], "ansible_check_mode": False}
-    assert [[u["name"] for u in native(t["k31_services"]["units"], {**scope, **t["vars"]}, {})] for t in starts] \
-        == [["k31-decode0-r0"], ["k31-prefill0-r0"]]
+    scope = {"_k31_unit_list": units, "_k31_unit_all_files": [], "k31_unit_stage_dir": "",
+             "_k31_unit_secret_files": {"skipped": True}, "_k31_unit_written": {"changed_files": []},
+             "k31_unit_first_in_play": True, "_k31_unit_in_place": False}
+
+    def runs(**change) -> list[list[str]]:
+        here = {**scope, **change}
+        after_runs = native("{{ " + " and ".join(f"({w})" for w in after["when"]) + " }}", here, _filters())
+        return [[u["name"] for u in _handed(block, here, t)["units"]] for t in ([write, after] if after_runs
+                                                                                 else [write])]
+
+    assert runs() == [["k31-decode0-r0"], ["k31-prefill0-r0"]]
+    assert runs(_k31_unit_list=units[1:]) == [[], ["k31-prefill0-r0"]]    # a prefill host waits for the task after
+    assert runs(_k31_unit_list=units[:1]) == [["k31-decode0-r0"]]
+    assert runs(k31_unit_first_in_play=False) == [["k31-decode0-r0", "k31-prefill0-r0"]]
 
 
 def test_a_staged_render_writes_below_the_stage_root_and_the_unit_still_names_the_live_paths():
@@ -215,7 +233,7 @@ def test_every_name_a_role_defines_is_an_input_or_its_own_internal():
 SECRET = "k31-test-secret-4c1d"
 INCLUDE = {"k31_unit_name": "k31-watch", "k31_unit_service": {"Description": "d", "ExecStart": "/x"},
            "k31_unit_stage_dir": "", "k31_unit_first": False, "k31_unit_restart": False, "k31_unit_watch": [],
-           "k31_unit_current_check": False,
+           "k31_unit_current_check": False, "k31_unit_first_in_play": False,
            "k31_unit_files": [{"dest": "/etc/k31/watch.json", "content": SECRET, "mode": "0600", "secret": True},
                               {"dest": "/etc/k31/watch.py", "src": "watch.py", "mode": "0755"},
                               {"dest": "/etc/k31/watch.sh", "template": "watch.sh.j2", "mode": "0755",
@@ -230,12 +248,16 @@ def _lookup(kind: str, name: str, **options) -> str:
     return f"{kind.rsplit('.', 1)[-1]}:{name}:{sorted(options.get('template_vars', {}).items())}"
 
 
+def _filters() -> dict:
+    """Ansible's own filters Jinja lacks (its versions of Jinja's builtins need its templar)."""
+    ansible_filters = {**CoreFilters().filters(), **MathFilters().filters()}
+    names = ("bool", "combine", "dirname", "flatten", "unique", "quote", "hash")
+    return {name: ansible_filters[name] for name in names}
+
+
 def _block_scope(include: dict, contexts: list[dict]) -> tuple[dict, dict, dict]:
     """k31_unit's "Write the units' ..." block, its variables worked out for `include` with one unit per context."""
-    # Ansible's own filters Jinja lacks (its versions of Jinja's builtins need its templar)
-    ansible_filters = {**CoreFilters().filters(), **MathFilters().filters()}
-    filters = {name: ansible_filters[name]
-               for name in ("bool", "combine", "dirname", "flatten", "unique", "quote", "hash")}
+    filters = _filters()
     worked_out = _unit_task("Work out each unit's name, files and directives")
     results = []
     for context in contexts:
@@ -248,14 +270,28 @@ def _block_scope(include: dict, contexts: list[dict]) -> tuple[dict, dict, dict]
     scope = {**include, "_k31_unit_worked_out": {"results": results}, "lookup": _lookup,
              "role_path": "/roles/k31_unit"}
     for name, value in block["vars"].items():    # in order: each reads the ones before
-        if name != "_k31_unit_rendered":          # each write task's own (its _k31_unit_secrets)
+        if name not in ("_k31_unit_rendered", "_k31_unit_starts"):    # each task's own (its vars)
             scope[name] = native(value.strip(), scope, filters)
     return block, scope, filters
 
 
 def _writers(block: dict) -> list[dict]:
-    """The block's two k31_files runs: the secret files', then the others'."""
-    return [task for task in block["block"] if "k31_files" in task]
+    """The block's two k31_files runs that write: the secret files', then the others' (which starts the units)."""
+    return [task for task in block["block"] if "files" in task.get("k31_files", {})]
+
+
+def _starters(block: dict) -> list[dict]:
+    """The block's k31_files runs that start units: the others' write, then the second group's start."""
+    return [task for task in block["block"] if "units" in task.get("k31_files", {})]
+
+
+def _handed(block: dict, scope: dict, task: dict, filters: dict | None = None) -> dict:
+    """What a start task hands k31_files besides the files: its units and the files changed before it."""
+    here, filters = dict(scope), filters or _filters()
+    for name, value in task.get("vars", {}).items():
+        here[name] = native(value.strip(), here, filters or {}) if isinstance(value, str) else value
+    here["_k31_unit_starts"] = native(block["vars"]["_k31_unit_starts"].strip(), here, filters)
+    return {key: native(task["k31_files"][key], here, filters) for key in ("units", "changed")}
 
 
 def _written(block: dict, scope: dict, filters: dict, task: dict) -> list[dict]:
@@ -271,7 +307,7 @@ def test_a_hosts_files_and_units_go_in_one_run_and_the_secret_ones_in_a_no_log_r
     scope["lookup"] = lambda *args, **options: asked.append(args[1]) or _lookup(*args, **options)
     secret_task, plain_task = _writers(block)
     assert secret_task["no_log"] is True and "no_log" not in plain_task
-    assert secret_task["vars"] == {"_k31_unit_secrets": True} and plain_task["vars"] == {"_k31_unit_secrets": False}
+    assert secret_task["vars"] == {"_k31_unit_secrets": True} and plain_task["vars"]["_k31_unit_secrets"] is False
     secret, plain = (_written(block, scope, filters, task) for task in (secret_task, plain_task))
     assert secret == [{"dest": "/etc/k31/watch.json", "mode": "0600", "content": SECRET}] * 2
     # the files first (a src copied, a template rendered with its unit's context, validate kept), the units last
@@ -298,37 +334,32 @@ def test_a_staged_render_puts_the_unit_files_below_the_stage_root():
     assert _written(block, scope, filters, _writers(block)[1])[-1]["dest"] == scope["_k31_unit_list"][0]["path"]
 
 
-@pytest.mark.parametrize(("written", "secret", "restarted", "reload"), [
-    ([], [], [], False),
-    (["/etc/k31/a.sh"], [], ["k31-a"], False),
-    ([], ["/etc/k31/b.env"], ["k31-b"], False),                       # a secret file restarts its unit too
-    (["/usr/local/lib/k31/gate"], [], [], False),                     # a shared file restarts none
-    (["/etc/systemd/system/k31-b.service"], [], ["k31-b"], True),     # a unit file: daemon-reload and restart
+@pytest.mark.parametrize(("written", "secret", "restarted"), [
+    ([], [], []),
+    (["/etc/k31/a.sh"], [], ["k31-a"]),
+    ([], ["/etc/k31/b.env"], ["k31-b"]),                       # a secret file restarts its unit too
+    (["/usr/local/lib/k31/gate"], [], []),                     # a shared file restarts none
+    (["/etc/systemd/system/k31-b.service"], [], ["k31-b"]),    # a unit file (k31_files reloads systemd for it)
 ])
-def test_a_changed_file_restarts_its_unit_and_a_changed_unit_file_reloads_systemd(written, secret, restarted, reload):
+def test_a_changed_file_restarts_its_unit(tmp_path, written, secret, restarted):
+    """Each unit is handed its files (the secret ones too) and its unit file, and the write run the secret run's
+    changes; library/k31_files.py (test_k31_files_units) decides from them, as here with a stand-in systemctl."""
     block, scope, filters = _block_scope({**INCLUDE, "k31_unit_files": [
         {"dest": "/etc/k31/{{ k31_unit_context.name[-1] }}.sh", "content": "x", "mode": "0755"},
         {"dest": "/etc/k31/{{ k31_unit_context.name[-1] }}.env", "content": "y", "mode": "0600", "secret": True}],
         "k31_unit_name": "{{ k31_unit_context.name }}"}, [{"name": "k31-a"}, {"name": "k31-b"}])
-    start = block["block"][-1]
-    here = {**scope, "_k31_unit_written": {"changed_files": written},
-            "_k31_unit_secret_files": {"changed_files": secret}}
-    for name, value in start["vars"].items():    # in order: each reads the ones before
-        here[name] = native(value.strip(), here, filters)
-    assert here["_k31_unit_changed"] == restarted
-    # neither unit goes first: the second task starts both, in one k31_services run, and reloads systemd itself
-    first, others = start["block"][0], start["block"][1]
-    for check_mode in (False, True):
-        scope_ = {**here, **others["vars"], "ansible_check_mode": check_mode}
-        handed = native(others["k31_services"], scope_, filters)
-        assert handed["daemon_reload"] is reload
-        # a dry run leaves out a unit whose files would change (it has no unit to start yet)
-        assert handed["units"] == [{"name": n, "state": "restarted" if n in restarted else "started"}
-                                   for n in ("k31-a", "k31-b") if not (check_mode and n in restarted)]
-    assert native("{{ " + first["when"] + " }}", here, filters) is False
+    write, _ = _starters(block)
+    handed = _handed(block, {**scope, "_k31_unit_secret_files": {"changed_files": secret}}, write, filters)
+    assert handed["units"] == [{"name": f"k31-{n}", "state": "started",
+                                "unit_file": f"/etc/systemd/system/k31-{n}.service",
+                                "restart_on": [f"/etc/k31/{n}.sh", f"/etc/k31/{n}.env"]} for n in "ab"]
+    assert handed["changed"] == secret
     # a skipped secret run (no secret file) has no changed_files
-    skipped = {**here, "_k31_unit_secret_files": {"skipped": True}}
-    assert native(start["vars"]["_k31_unit_changed_files"].strip(), skipped, filters) == written
+    assert _handed(block, {**scope, "_k31_unit_secret_files": {"skipped": True}}, write, filters)["changed"] == []
+    # what k31_files does with them, this run's writes counted as `changed` (the stand-in writes no file)
+    _, calls = k31_files_units(tmp_path, handed["units"], {"k31-a": ("enabled", "active"),
+                                                          "k31-b": ("enabled", "active")}, changed=written + secret)
+    assert calls == [f"restart -- {name}.service" for name in restarted]
 
 
 def test_no_task_that_logs_carries_a_secret_file():
@@ -339,21 +370,16 @@ def test_no_task_that_logs_carries_a_secret_file():
     worked_out = _unit_task("Work out each unit's name, files and directives")
     assert native(worked_out["no_log"].strip(), INCLUDE, filters) is True
     logged = 0
-    for task in [*_writers(block), *block["block"][-1]["block"]]:
-        if task.get("no_log") is True:
+    for task in block["block"]:
+        if task.get("no_log") is True or "k31_files" not in task:
             continue
-        loop_var = task.get("loop_control", {}).get("loop_var", "item")
-        for item in native(task["loop"].strip(), scope, filters) if "loop" in task else [None]:
-            logged += 1
-            if "k31_files" in task:
-                handed = _written(block, scope, filters, task)
-            else:
-                handed = native(task["k31_services"], {
-                    **scope, **task["vars"], loop_var: item, "_k31_unit_changed": [], "_k31_unit_rewritten": [],
-                    "ansible_check_mode": False}, filters)
-            assert SECRET not in repr(handed), task["name"]
-            assert SECRET not in repr(item), task["name"]
-    assert logged == 3     # the other files and the unit files, and the two units' starts: the check looked at them
+        logged += 1
+        handed = _written(block, scope, filters, task) if "files" in task["k31_files"] else []
+        if "units" in task["k31_files"]:
+            handed = [handed, _handed(block, {**scope, "_k31_unit_secret_files": {"changed_files": []},
+                                              "_k31_unit_written": {"changed_files": []}}, task, filters)]
+        assert SECRET not in repr(handed), task["name"]
+    assert logged == 2     # the other files, the unit files and the units' start; the second group's start
 
 
 # --- k31_unit_current_check: one raw read, and the writes and starts skipped where all is in place ----------------
@@ -409,8 +435,8 @@ def test_the_current_check_reads_the_host_through_a_real_shell_and_skips_only_wh
     (tmp_path / "watch.sh").chmod(0o755)
     (tmp_path / "watch.json").write_text(SECRET + "2")
     assert in_place() is False
-    # what skips: both writes and the start, on this include's own answer only
-    guarded = [*_writers(block), block["block"][-1]]
+    # what skips: both writes and the starts, on this include's own answer only
+    guarded = [*_writers(block), *_starters(block)]
     assert all("not _k31_unit_in_place" in str(t["when"]) for t in guarded)
     assert native(block["vars"]["_k31_unit_in_place"].strip(),
                   {**scope, "k31_unit_current_check": False, "_k31_unit_current": True}, filters) is False

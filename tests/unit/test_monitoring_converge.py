@@ -6,7 +6,9 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-from k31deploy.monitoring.converge import folders, host_state, unit_actions, writes
+from test_k31_files_units import k31_units
+
+from k31deploy.monitoring.converge import TLS_COPIES, folders, host_state, unit_actions, writes
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("k31_filters", ROOT / "filter_plugins" / "k31.py")
@@ -69,26 +71,32 @@ def test_k31s_configuration_is_for_group_prometheus_only_and_the_arguments_are_t
     ]
 
 
-def test_arguments_or_certificates_restart_configuration_reloads_and_otherwise_units_only_start():
-    def states(*args):
-        return [a["state"] for a in unit_actions(UNITS, *args)]
+def test_arguments_or_certificates_restart_configuration_reloads_and_otherwise_units_only_start(tmp_path):
+    """Each unit is handed the files that restart it (every unit's arguments, the certificate copies) and those that
+    reload it (k31's configuration; none for the node exporter); library/k31_files.py decides from what changed,
+    run here through it with a stand-in systemctl."""
+    actions = unit_actions(UNITS, FILES)
+    assert [a["name"] for a in actions] == list(UNITS) and {a["state"] for a in actions} == {"started"}
+    args = [p for p in FILES if p.startswith("/etc/default/")]
+    assert args and all(a["restart_on"] == [*args, *TLS_COPIES] for a in actions)
 
-    assert states([], [], False) == ["started", "started"]
-    assert states(["/etc/k31/monitoring/prometheus.yml"], [], False) == ["reloaded", "started"]
-    assert states([], [], True) == ["reloaded", "started"]     # only Alertmanager's file (receivers' keys)
-    assert states(["/etc/default/prometheus"], [], False) == ["restarted", "restarted"]
-    assert states([], ["/etc/k31/monitoring/tls/host.crt"], False) == ["restarted", "restarted"]
-    assert states([], ["/etc/k31/monitoring/tls"], False) == ["started", "started"]    # the folder, not a copy
-    # the role hands all its one write changed: only the copies under tls/ count there
-    assert states([], ["/etc/k31/monitoring/prometheus.yml", "/etc/default/prometheus"], False) == ["started"] * 2
-    assert [a["name"] for a in unit_actions(UNITS, [], [], False)] == list(UNITS)
+    def calls(*changed: str) -> list[str]:
+        return k31_units(tmp_path, actions, {u: ("enabled", "active") for u in UNITS}, changed=list(changed))[1]
+
+    assert calls() == []
+    assert calls("/etc/k31/monitoring/prometheus.yml") == ["reload -- prometheus.service"]
+    assert calls("/etc/default/prometheus") == ["restart -- prometheus.service",
+                                                "restart -- prometheus-node-exporter.service"]
+    assert calls("/etc/k31/monitoring/tls/host.crt") == ["restart -- prometheus.service",
+                                                         "restart -- prometheus-node-exporter.service"]
+    assert calls("/etc/k31/monitoring/tls") == []    # the folder, not a copy
 
 
 def test_the_role_reaches_these_through_filters_each_with_its_doc_file():
     assert K31_FILTERS["k31_monitoring_host_state"](probe(), FILES, UNITS) == host_state(probe(), FILES, UNITS)
     assert K31_FILTERS["k31_monitoring_folders"](FILES) == folders(FILES)
     assert K31_FILTERS["k31_monitoring_writes"](list(FILES), FILES) == writes(list(FILES), FILES)
-    assert K31_FILTERS["k31_monitoring_unit_actions"](UNITS, None, None, False) == unit_actions(UNITS, [], [], False)
+    assert K31_FILTERS["k31_monitoring_unit_actions"](UNITS, FILES) == unit_actions(UNITS, list(FILES))
     # every filter of filter_plugins/k31.py, these included: `ansible-doc -t filter NAME` documents it
     for name in K31_FILTERS:
         assert (ROOT / "filter_plugins" / f"{name}.yml").is_file(), name

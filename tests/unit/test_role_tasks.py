@@ -59,8 +59,8 @@ def test_no_conditional_block_makes_every_host_skip_many_tasks():
 def test_every_http_call_of_a_role_goes_to_the_cluster_address_not_a_proxy():
     """A host (or /etc/environment) with https_proxy for its egress and no no_proxy for the cluster sends `uri`'s
     requests to that proxy: a health gate or the repair's wait would then fail or hang on it. k31_probe.py (the
-    redeploy's drain, re-add and silence) and library/k31_services.py ask without proxies too (test_host_client and
-    test_k31_services pin them)."""
+    redeploy's drain, re-add and silence) and library/k31_files.py (its wait) ask without proxies too
+    (test_host_client and test_k31_files_units pin them)."""
     calls = [(path.relative_to(REPO), task) for path in sorted(REPO.glob("roles/*/tasks/*.yml"))
              for task in all_tasks(yaml.safe_load(path.read_text())) if "ansible.builtin.uri" in task]
     assert len(calls) >= 4

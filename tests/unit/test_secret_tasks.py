@@ -237,12 +237,12 @@ def test_every_file_handed_to_k31_unit_that_holds_a_secret_is_secret():
 def test_k31_unit_writes_the_files_marked_secret_in_a_no_log_run_of_their_own():
     """The split itself (a secret file's content in no other run's arguments) is test_k31_unit's to pin."""
     writers = {task["name"]: task for _, task, path in all_tasks() if path.parts[-3] == UNIT_ROLE
-               and "k31_files" in task}
-    assert {name: (task["k31_files"]["files"], task["vars"], task.get("no_log"))
+               and "files" in task.get("k31_files", {})}
+    assert {name: (task["k31_files"]["files"], task["vars"]["_k31_unit_secrets"], task.get("no_log"))
             for name, task in writers.items()} == {
-        "Write the units' files that hold a secret": ("{{ _k31_unit_rendered }}", {"_k31_unit_secrets": True}, True),
-        "Write the units' other files, the files they share and the unit files": (
-            "{{ _k31_unit_rendered }}", {"_k31_unit_secrets": False}, None)}
+        "Write the units' files that hold a secret": ("{{ _k31_unit_rendered }}", True, True),
+        "Write the units' other files, the files they share and the unit files, then start the units": (
+            "{{ _k31_unit_rendered }}", False, None)}
 
 
 def test_the_checker_catches_what_it_is_for(tmp_path):
