@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -37,14 +38,17 @@ def test_the_role_writes_it_in_the_controllers_process_once_and_reports_what_a_h
            "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
            "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
 
-    def lookup() -> dict:
+    def lookup(options: str = "") -> dict:
         done = subprocess.run([str(Path(sys.executable).parent / "ansible"), "localhost", "-m", "debug", "-a",
-                               f"msg={{{{ lookup('k31_bundle', '{dest}') | to_json }}}}"],
+                               f"msg={{{{ lookup('k31_bundle', '{dest}'{options}) | to_json }}}}"],
                               capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=True)
         return json.loads(json.loads(done.stdout.split("=>", 1)[1])["msg"])
 
     made = lookup()
     assert made == {"changed": True, "digest": hashlib.sha256(dest.read_bytes()).hexdigest()[:16]}
     assert lookup() == {**made, "changed": False}
+    # base64: the bytes too, for k31_files to write on a host (the copy task's stat and transfer spared)
+    assert lookup(", base64=true") == {**made, "changed": False,
+                                       "base64": base64.b64encode(dest.read_bytes()).decode()}
     dest.write_bytes(b"another version")
     assert lookup() == {**made, "changed": True}

@@ -3,6 +3,7 @@ controller's own process, where a command task forked two Pythons for it on ever
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 from ansible.errors import AnsibleLookupError
@@ -22,11 +23,17 @@ options:
   _terms:
     description: The bundle's path on the controller (one).
     required: true
+  base64:
+    description: Also return the bundle's bytes, base64 (C(base64)), for k31_files to write on a host.
+    type: bool
+    default: false
 """
 
 RETURN = r"""
 _raw:
-  description: One dict per path, C(changed) (whether the file was rewritten) and C(digest) (what a host records).
+  description: >-
+    One dict per path, C(changed) (whether the file was rewritten) and C(digest) (what a host records); with
+    C(base64), the bytes too.
   type: list
   elements: dict
 """
@@ -34,8 +41,12 @@ _raw:
 
 class LookupModule(LookupBase):
     def run(self, terms, variables=None, **kwargs):
+        self.set_options(var_options=variables, direct=kwargs)
         out = []
         for term in terms:
-            changed, digest = write_bundle(Path(str(term)))
-            out.append({"changed": changed, "digest": digest})
+            path = Path(str(term))
+            changed, digest = write_bundle(path)
+            out.append({"changed": changed, "digest": digest,
+                        **({"base64": base64.b64encode(path.read_bytes()).decode()} if self.get_option("base64")
+                           else {})})
         return out
