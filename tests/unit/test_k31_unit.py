@@ -5,6 +5,7 @@ writes below the stage root."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 from pathlib import Path
@@ -163,11 +164,25 @@ def test_a_watched_files_digest_is_in_the_unit_so_a_new_certificate_rewrites_and
     # k31_unit restarts a unit whose unit file changed, and reads the digests without changing the host, also
     # under --check; a file not there yet is left out of the list rather than failing the deploy.
     read = _unit_task("Read the digests of the files the units serve with")
-    assert read["ansible.builtin.command"]["argv"] == "{{ ['sha256sum', '--'] + k31_unit_watch }}"
     assert (read["changed_when"], read["failed_when"], read["check_mode"]) == (False, False, False)
+    assert read["vars"] == {"ansible_ssh_use_tty": False}    # raw: stdout alone
     worked_out = _unit_task("Work out each unit's name, files and directives")
     assert worked_out["ansible.builtin.set_fact"]["_k31_unit_one"]["unit"]["watch"] == (
         "{{ _k31_unit_watched.stdout_lines | default([]) }}")
+
+
+def test_the_watched_digests_are_read_raw_through_a_shell_as_sha256sum_prints_them(tmp_path):
+    """The raw read's own command through a real shell: one line per file there, in sha256sum's format (what the unit
+    file carries), a file not there yet left out, an odd file name quoted."""
+    read = _unit_task("Read the digests of the files the units serve with")
+    there, odd = tmp_path / "host.crt", tmp_path / "it's a cert.crt"
+    there.write_text("cert\n")
+    odd.write_text("odd\n")
+    command = native(read["ansible.builtin.raw"], {"k31_unit_watch": [str(there), str(tmp_path / "none"), str(odd)]},
+                     _filters())
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=False)
+    digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path in (there, odd)]
+    assert done.returncode != 0 and done.stdout.splitlines() == [f"{digests[0]}  {there}", f"{digests[1]}  {odd}"]
 
 
 def test_no_role_reads_another_roles_internal_facts():
