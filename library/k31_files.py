@@ -95,6 +95,13 @@ options:
                    type: list, elements: str, default: []}
       reload_on: {description: "Files whose change reloads it (unless one of C(restart_on) changed too).",
                   type: list, elements: str, default: []}
+  unit_files:
+    description: >-
+      The unit files among this run's files, those of units a later run starts too (an engine's prefills): one
+      changed here reloads systemd once in this run, before any unit starts, whether or not this run starts its unit.
+    type: list
+    elements: str
+    default: []
   changed:
     description: >-
       Files an earlier run changed (the no_log run of the secret files): they restart or reload their units too.
@@ -296,6 +303,10 @@ def _units(run: _Run) -> None:
     units = module.params["units"]
     written = set(run.changed)    # this run's: a unit file changed here needs systemd's reload
     changed = written | set(module.params["changed"])
+    unit_files = {*module.params["unit_files"], *(u["unit_file"] for u in units if u["unit_file"])}
+    reload = module.params["daemon_reload"] or bool(written & unit_files)
+    if not units and not reload:
+        return
 
     def systemctl(*argv: str) -> None:
         if module.check_mode:
@@ -304,7 +315,7 @@ def _units(run: _Run) -> None:
         if rc != 0:
             run.fail(f"systemctl {' '.join(argv)} failed (rc {rc}): {(err or out).strip()}")
 
-    states = _states(run, [u["name"] for u in units])
+    states = _states(run, [u["name"] for u in units]) if units else {}
     # One enable for every unit that needs it, without the daemon-reload each `systemctl enable` does: the one
     # reload below covers the new links and the new unit files alike (one fresh unit cost two reloads, two cost three).
     to_enable = [u["name"] for u in units
@@ -312,7 +323,7 @@ def _units(run: _Run) -> None:
     if to_enable:
         systemctl("enable", "--no-reload", "--", *(f"{name}.service" for name in to_enable))
         run.acted.extend(f"{name} enabled" for name in to_enable)
-    if module.params["daemon_reload"] or to_enable or any(u["unit_file"] in written for u in units):
+    if reload or to_enable:
         systemctl("daemon-reload")
         run.acted.append("systemd daemon-reload")
     for unit in units:
@@ -390,6 +401,7 @@ def main() -> None:
                 "restart_on": {"type": "list", "elements": "str", "default": []},
                 "reload_on": {"type": "list", "elements": "str", "default": []},
             }},
+            "unit_files": {"type": "list", "elements": "str", "default": []},
             "changed": {"type": "list", "elements": "str", "default": []},
             "daemon_reload": {"type": "bool", "default": False},
             "wait": {"type": "dict", "options": {
@@ -405,8 +417,7 @@ def main() -> None:
     )
     run = _Run(module)
     diffs = _files(run)
-    if module.params["units"]:
-        _units(run)
+    _units(run)
     wait = module.params["wait"]
     waited = _wait(run, wait) if wait and wait["urls"] and not module.check_mode else 0.0
     module.exit_json(changed=bool(run.changed or run.acted), changed_files=run.changed, acted=run.acted,

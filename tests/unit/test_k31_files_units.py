@@ -43,7 +43,7 @@ exit 0
 def k31_units(tmp_path: Path, units: list[dict], states: dict[str, tuple[str, str]], *,
                  daemon_reload: bool = False, check: bool = False, wait: dict | None = None,
                  env: dict[str, str] | None = None, files: list[dict] | None = None,
-                 changed: list[str] | None = None) -> tuple[dict, list[str]]:
+                 changed: list[str] | None = None, unit_files: list[str] | None = None) -> tuple[dict, list[str]]:
     """k31_files with these units (and files, and files changed before), its result and systemctl's calls."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -55,6 +55,7 @@ def k31_units(tmp_path: Path, units: list[dict], states: dict[str, tuple[str, st
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {"files": files or [], "units": units,
                                                          "daemon_reload": daemon_reload, "changed": changed or [],
+                                                         "unit_files": unit_files or [],
                                                          "_ansible_check_mode": check,
                                                          **({"wait": wait} if wait else {})}}))
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -256,3 +257,18 @@ def test_a_failed_start_after_the_writes_names_the_unit_and_the_files_written(tm
     result, _ = k31_units(tmp_path, [{"name": "k31-broken", "unit_file": files[0]["dest"]}], states, files=files)
     assert result["failed"] and "k31-broken.service" in result["msg"]
     assert result["changed_files"] == [files[0]["dest"]] and result["acted"] == ["systemd daemon-reload"]
+
+
+@needs_root
+def test_a_unit_file_written_for_a_later_run_reloads_systemd_in_the_run_that_wrote_it(tmp_path):
+    """An engine host's write run starts only its decodes (or nothing, on a prefill host) and writes every unit file;
+    a prefill's changed unit file reloads systemd there, so the next task's restart runs the new unit."""
+    files = [{"dest": str(tmp_path / "k31-a.service"), "content": "[Service]\n", "mode": "0644"}]
+    result, calls = k31_units(tmp_path, [], STATES, files=files, unit_files=[files[0]["dest"]])
+    assert calls == ["daemon-reload"] and result["acted"] == ["systemd daemon-reload"]
+    _, calls = k31_units(tmp_path, [unit_a(tmp_path)], STATES, changed=[files[0]["dest"]])
+    assert calls == ["restart -- k31-a.service"]
+    # unchanged, or not one of the unit files: no reload, and no systemctl call at all without units
+    assert k31_units(tmp_path, [], STATES, files=files, unit_files=[files[0]["dest"]])[1] == []
+    files[0]["content"] = "[Service]\nX=1\n"
+    assert k31_units(tmp_path, [], STATES, files=files)[1] == []

@@ -112,6 +112,10 @@ def test_decode_ranks_start_first_and_the_others_after():
                                                                                  else [write])]
 
     assert runs() == [["k31-decode0-r0"], ["k31-prefill0-r0"]]
+    # the write run reloads systemd for every unit file it wrote, the prefills' too (the next task only restarts)
+    assert _handed(block, scope, write)["unit_files"] == ["/d", "/p"]
+    assert "unit_files" not in after["k31_files"]
+    assert _handed(block, {**scope, "k31_unit_stage_dir": "/stage"}, write)["unit_files"] == []
     assert runs(_k31_unit_list=units[1:]) == [[], ["k31-prefill0-r0"]]    # a prefill host waits for the task after
     assert runs(_k31_unit_list=units[:1]) == [["k31-decode0-r0"]]
     assert runs(k31_unit_first_in_play=False) == [["k31-decode0-r0", "k31-prefill0-r0"]]
@@ -306,7 +310,8 @@ def _handed(block: dict, scope: dict, task: dict, filters: dict | None = None) -
     for name, value in task.get("vars", {}).items():
         here[name] = native(value.strip(), here, filters or {}) if isinstance(value, str) else value
     here["_k31_unit_starts"] = native(block["vars"]["_k31_unit_starts"].strip(), here, filters)
-    return {key: native(task["k31_files"][key], here, filters) for key in ("units", "changed")}
+    return {key: native(task["k31_files"][key], here, filters) for key in ("units", "changed", "unit_files")
+            if key in task["k31_files"]}
 
 
 def _written(block: dict, scope: dict, filters: dict, task: dict) -> list[dict]:
