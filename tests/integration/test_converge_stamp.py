@@ -6,6 +6,8 @@ beyond the stamp read, smoke still passes, changed=0) and is several times faste
 stopped unit on another make the next deploy whole (run under `--mitogen`), name both hosts, and repair both;
 `--check` on a settled fleet predicts nothing; `k31 deploy --full` runs every play anyway and changes nothing.
 A host certificate reissued by a run that stopped before the router's play restarts the router at the next deploy.
+`k31 redeploy decode0 --mitogen` takes over a lost run's expired lock and restarts decode0, then prefill0 (the PD
+rule): under Mitogen a raw command's output comes back through a tty, CR LF line ends included.
 
 Needs root, podman, runc and debootstrap.
 """
@@ -17,7 +19,7 @@ import os
 
 import pytest
 from recaps import changed, recap
-from sandbox_cli import SHORT, SMOKE, cli_env, node_sh, playbook, sandbox_up, unit_state
+from sandbox_cli import SHORT, SMOKE, cli_env, k31, node_sh, playbook, sandbox_up, unit_state
 from sandbox_cli import deploy as sandbox_deploy
 
 pytestmark = pytest.mark.integration
@@ -102,3 +104,20 @@ def test_a_certificate_reissued_by_a_run_that_stopped_early_restarts_the_router_
     out = deploy(env, inventory)[0]
     assert SHORT in out
     assert unit_state(NAME, "router0", "k31-router")["started"] == after["started"]
+
+
+def test_a_redeploy_under_mitogen_reads_the_lock_and_restarts_decode_then_prefill(cluster):
+    env, inventory = cluster
+    # A lost run's lock, long expired: the redeploy judges it stale from what it read and takes it over only if
+    # the lock host still holds exactly that (a byte-for-byte comparison a CR would break).
+    lost = {"id": "lost-run", "controller": "elsewhere", "pid": 1, "started": 0, "expires": 1,
+            "what": "k31 redeploy of decode0"}
+    node_sh(NAME, "router0", f"mkdir -p /run/k31 && echo {json.dumps(json.dumps(lost))} > /run/k31/redeploy.lock")
+    before = {h: unit_state(NAME, h, f"k31-{h}-r0")["started"] for h in ("decode0", "prefill0")}
+    proc = k31(env, "redeploy", "decode0", "-i", str(inventory), "--mitogen")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "its lock on router0 expired" in proc.stdout and "unreadable" not in proc.stdout
+    after = {h: unit_state(NAME, h, f"k31-{h}-r0")["started"] for h in ("decode0", "prefill0")}
+    assert before["decode0"] < after["decode0"] < after["prefill0"], (before, after)
+    assert node_sh(NAME, "router0", "test -e /run/k31/redeploy.lock && echo held || echo released").strip() == \
+        "released"
