@@ -181,6 +181,15 @@ def test_the_drain_and_readd_poll_the_routers_listing_four_times_a_second(router
     assert slept and set(slept) == {probe.ROUTER_POLL} and probe.ROUTER_POLL == 0.25
 
 
+def test_the_in_flight_wait_polls_the_engine_four_times_a_second():
+    """A 2 s poll added up to two seconds to each drained server's stop; the engine's /get_load is on its host."""
+    slept: list[float] = []
+    loads = iter([3, 1, 0])
+    reason = probe.idle(lambda method, url, body: (200, [{"num_reqs": next(loads), "num_waiting_reqs": 0}]),
+                        "http://127.0.0.1:30000/get_load", 30, now=lambda: 0.0, sleep=slept.append)
+    assert reason == "" and slept == [probe.LOAD_POLL] * 2 and probe.LOAD_POLL == 0.25
+
+
 def _call(method, url, body):
     answer = probe.request(url, method, body, {"Authorization": f"Bearer {KEY}"})
     return answer["status"], answer.get("json")
@@ -295,7 +304,7 @@ def test_rank_0_stops_after_the_grace_and_its_requests_in_flight_read_with_the_r
         key_file = tmp_path / "engine.auth.yaml"    # as k31_engine writes it; the controller's key may be a new one
         key_file.write_text('# the engine reads its keys from here\napi-key: "ek"\nadmin-api-key: "other"\n')
         not_before = time.time() + 1.0
-        idle = {"load_url": url, "auth_file": str(key_file), "timeout": 20, "interval": 0.2, "not_before": not_before}
+        idle = {"load_url": url, "auth_file": str(key_file), "timeout": 20, "not_before": not_before}
         assert call("stop", idle=idle)[1] == {"ok": True, "reason": "", "idle": "",
                                               "at": pytest.approx(time.time(), abs=30)}
         assert engine.reads[0] >= not_before and len(engine.reads) == 3     # 2 in flight, 1, then none
@@ -311,11 +320,11 @@ def test_rank_0_stops_after_the_grace_and_its_requests_in_flight_read_with_the_r
         # the repair's drained prefill waits the same way, with nothing stopped
         key_file.write_text('api-key: "ek"\n')
         engine.load, engine.reads[:] = 1, []
-        assert call("idle", load_url=url, auth_file=str(key_file), timeout=20, interval=0.2)[1] == {
+        assert call("idle", load_url=url, auth_file=str(key_file), timeout=20)[1] == {
             "ok": True, "reason": "", "at": pytest.approx(time.time(), abs=30)}
         assert len(engine.reads) == 2 and systemctl_calls() == ["stop k31-d0-r0"] * 3
         engine.load = 50
-        rc, out = call("idle", load_url=url, auth_file=str(key_file), timeout=0.5, interval=0.2)
+        rc, out = call("idle", load_url=url, auth_file=str(key_file), timeout=0.5)
         assert rc == 1 and out["reason"].startswith(f"requests were still in flight on {url} after 0.5 s")
     finally:
         engine.shutdown()
