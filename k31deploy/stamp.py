@@ -25,8 +25,9 @@ from typing import Any
 # What k31 itself is made of, relative to the project root: a change to any of it may change what a host gets.
 CODE = ("deploy.yml", "ansible.cfg", "pyproject.toml", "roles", "playbooks", "filter_plugins", "k31deploy")
 SKIPPED_PARTS = {"__pycache__", ".pytest_cache"}
-# Variables the run itself sets, or that only choose whether the stamp is used: not inputs.
-NOT_INPUTS = ("k31_validate_", "k31_stamp_")
+# Variables the run itself sets, or that only choose whether the stamp is used or which servers a redeploy
+# restarts (k31 redeploy TARGET --batch N): not inputs.
+NOT_INPUTS = ("k31_validate_", "k31_stamp_", "k31_redeploy_targets", "k31_redeploy_batch")
 
 
 def _files(root: Path, names: Iterable[str]) -> list[Path]:

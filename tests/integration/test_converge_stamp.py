@@ -7,7 +7,9 @@ stopped unit on another make the next deploy whole (run under `--mitogen`), name
 `--check` on a settled fleet predicts nothing; `k31 deploy --full` runs every play anyway and changes nothing.
 A host certificate reissued by a run that stopped before the router's play restarts the router at the next deploy.
 `k31 redeploy decode0 --mitogen` takes over a lost run's expired lock and restarts decode0, then prefill0 (the PD
-rule): under Mitogen a raw command's output comes back through a tty, CR LF line ends included.
+rule): under Mitogen a raw command's output comes back through a tty, CR LF line ends included. On the settled
+fleet that plain restart renders nothing (the stamp says the live files are what it would render), and leaves the
+fleet settled: the next deploy takes the short path.
 
 Needs root, podman, runc and debootstrap.
 """
@@ -117,7 +119,10 @@ def test_a_redeploy_under_mitogen_reads_the_lock_and_restarts_decode_then_prefil
     proc = k31(env, "redeploy", "decode0", "-i", str(inventory), "--mitogen")
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "its lock on router0 expired" in proc.stdout and "unreadable" not in proc.stdout
+    for host in ("decode0", "prefill0"):
+        assert f"{host} is as its last whole deploy left it, with this run's inputs: nothing to render" in proc.stdout
     after = {h: unit_state(NAME, h, f"k31-{h}-r0")["started"] for h in ("decode0", "prefill0")}
     assert before["decode0"] < after["decode0"] < after["prefill0"], (before, after)
     assert node_sh(NAME, "router0", "test -e /run/k31/redeploy.lock && echo held || echo released").strip() == \
         "released"
+    assert SHORT in deploy(env, inventory)[0]    # the restart left every host as the last whole deploy did

@@ -68,7 +68,8 @@ def test_each_input_changes_the_digest(project, change):
     assert digest(project, plan, host_vars) != before
 
 
-@pytest.mark.parametrize("name", ["k31_stamp_check", "k31_validate_plan", "ansible_host", "group_names"])
+@pytest.mark.parametrize("name", ["k31_stamp_check", "k31_validate_plan", "ansible_host", "group_names",
+                                  "k31_redeploy_targets", "k31_redeploy_batch"])
 def test_what_only_chooses_whether_the_stamp_is_used_or_is_set_by_the_run_is_not_an_input(project, name):
     host_vars = json.loads(json.dumps(VARS))
     host_vars["prefill0"][name] = False
@@ -171,6 +172,19 @@ def test_any_drift_of_what_k31_manages_changes_the_state(host, drift):
         (host / "etc" / "k31" / "wants").symlink_to("/etc/systemd/system/k31-prefill0-r0.service")
     elif drift == "venv removed":
         (host / "opt" / "venv").rmdir()
+    assert json.loads(host_state(host, "read"))["state"] != before
+
+
+def test_the_copies_a_redeploy_keeps_for_its_roll_back_and_the_standins_start_record_are_not_drift(host):
+    """k31 redeploy's stop keeps each live file as /etc/k31/NAME.prev (oncall/rollout.py step_files): a restart of
+    what runs leaves the host as its last whole deploy left it, so the next deploy or redeploy may skip its work."""
+    host_state(host, "write", "i1")
+    before = json.loads(host_state(host, "read"))["state"]
+    (host / "etc" / "k31" / "engine.env.prev").write_text("A=1\n")
+    (host / "etc" / "k31" / "k31-decode0-r0.service.prev").write_text("[Unit]\n")
+    (host / "etc" / "k31" / "k31-decode0-r0.standin.json").write_text('{"pid": 649}')    # the stand-in's own
+    assert json.loads(host_state(host, "read"))["state"] == before
+    (host / "etc" / "k31" / "engine.env.prev2").write_text("")
     assert json.loads(host_state(host, "read"))["state"] != before
 
 
