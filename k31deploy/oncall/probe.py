@@ -357,15 +357,16 @@ def swap(action, spec):
                 put(f["live"], f["prev"])
         return systemctl("stop", *units)
     if action == "start":
+        placed = []
+        for f in files if rollout else []:
+            if os.path.exists(f["staged"]) and not same(f["staged"], f["live"]):
+                put(f["staged"], f["live"])
+                placed.append(f["live"])
         if rollout:
-            for f in files:
-                if os.path.exists(f["staged"]) and not same(f["staged"], f["live"]):
-                    put(f["staged"], f["live"])
             shutil.rmtree(spec["stage_dir"], ignore_errors=True)
-            why = systemctl("daemon-reload")
-            if why:
-                return why
-        return systemctl("start", *units)
+        # systemd rereads a unit only on a reload: needed where a file changed (a plain restart staged none)
+        why = systemctl("daemon-reload") if placed else ""
+        return why or systemctl("start", *units)
     for f in files:
         if os.path.exists(f["prev"]):
             put(f["prev"], f["live"])

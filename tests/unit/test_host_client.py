@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -281,6 +282,16 @@ def test_a_rollout_keeps_the_running_version_swaps_in_the_staged_one_and_can_res
     assert systemctl_calls() == ["stop k31-d0-r0", "daemon-reload", "start k31-d0-r0", "daemon-reload",
                                  "restart k31-d0-r0"]
     assert not list(tmp_path.rglob("*.k31-tmp"))
+
+
+def test_a_rollout_with_nothing_staged_restarts_what_runs_without_a_reload(host):
+    """k31 redeploy stages nothing where a host is as its last whole deploy left it (a plain restart): the start
+    puts no file in place, so systemd has nothing to reread."""
+    call, files, systemctl_calls, tmp_path = host
+    shutil.rmtree(tmp_path / "stage")
+    assert call("stop")[0] == 0 and call("start")[0] == 0
+    assert [Path(f["live"]).read_text() for f in files] == ["v1 k31-d0-r0.env\n", "v1 k31-d0-r0.sh\n"]
+    assert systemctl_calls() == ["stop k31-d0-r0", "start k31-d0-r0"]
 
 
 def test_a_restart_for_the_pd_rule_touches_no_file_and_a_refused_start_says_so(host):
