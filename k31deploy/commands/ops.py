@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--full", action="store_true",
                            help="run every host play even when every host is as its last deploy left it "
                                 "(k31_stamp_check=false)")
+        if command == "redeploy":
+            p.add_argument("--full", action="store_true",
+                           help="render the new version on every host of the rollout even where its converge stamp "
+                                "shows it is the one running (k31_stamp_check=false)")
         if command == "teardown":
             p.add_argument("--yes", action="store_true", help="confirm the teardown (k31_teardown_confirm=true)")
         p.set_defaults(func=cmd_run, k31_command=command)

@@ -327,6 +327,13 @@ def test_redeploy_targets_and_batch_become_extra_vars():
     assert args.extra_vars == ["a=1", "@x.yml"] and args.k31_command == "redeploy"
 
 
+def test_full_makes_deploy_and_redeploy_leave_the_converge_stamp_unread():
+    """deploy --full runs every host play; redeploy --full renders the new version even on a settled host."""
+    for command in ("deploy", "redeploy"):
+        assert ops.k31_vars(parse(command, "-i", "inv", "--full")) == {"k31_stamp_check": False}
+        assert ops.k31_vars(parse(command, "-i", "inv")) == {}
+
+
 def test_teardown_needs_yes_to_confirm():
     assert ops.k31_vars(parse("teardown", "-i", "inv")) == {}
     assert ops.k31_vars(parse("teardown", "-i", "inv", "--yes")) == {"k31_teardown_confirm": True}
