@@ -53,6 +53,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="run the playbook under Mitogen's linear strategy (faster per task; pip extra 'mitogen')")
 
 
+# --full: the converge stamp left unread (roles/k31_stamp), so the run does all of its work.
+FULL_HELP = {
+    "deploy": "run every host play even when every host is as its last deploy left it",
+    "redeploy": "render the new version on every host of the rollout even where its converge stamp shows it is the "
+                "one running",
+}
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     for command, text in HELP.items():
         p = sub.add_parser(command, help=text, description=text)
@@ -62,14 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                            help="role or server names to redeploy (passed as k31_redeploy_targets; all when omitted)")
             p.add_argument("--batch", type=positive_int, metavar="N",
                            help="servers restarted at a time (passed as k31_redeploy_batch)")
-        if command == "deploy":
-            p.add_argument("--full", action="store_true",
-                           help="run every host play even when every host is as its last deploy left it "
-                                "(k31_stamp_check=false)")
-        if command == "redeploy":
-            p.add_argument("--full", action="store_true",
-                           help="render the new version on every host of the rollout even where its converge stamp "
-                                "shows it is the one running (k31_stamp_check=false)")
+        if command in FULL_HELP:
+            p.add_argument("--full", action="store_true", help=FULL_HELP[command] + " (k31_stamp_check=false)")
         if command == "teardown":
             p.add_argument("--yes", action="store_true", help="confirm the teardown (k31_teardown_confirm=true)")
         p.set_defaults(func=cmd_run, k31_command=command)
