@@ -282,7 +282,7 @@ def test_one_rule_says_which_hosts_the_controllers_archive_reaches_by_rsync():
     assert [over_ssh(c) for c in ("local", "podman", "community.docker.docker", "paramiko_ssh")] == [False] * 4
     copy = (ROOT / "roles/k31_image/tasks/from_controller.yml").read_text()
     assert "_k31_image_over_ssh: \"{{ _k31_image_conn.ansible_connection | default('') | k31_over_ssh }}\"" in copy
-    check = (ROOT / "roles/k31_validate/filter_plugins/k31_validate.py").read_text()
+    check = (ROOT / "k31deploy/prereqs.py").read_text()
     assert "imagearchive.copies_over_ssh(host.text(\"ansible_connection\"))" in check
     assert "'smart'" not in copy and '"smart"' not in check
 

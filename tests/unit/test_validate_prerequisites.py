@@ -1,4 +1,4 @@
-"""The validate play's prerequisite checks (roles/k31_validate/filter_plugins/k31_validate.py): wheel sets,
+"""The validate play's prerequisite checks (k31deploy/prereqs.py, the k31_validate role's filter): wheel sets,
 image source, secrets -- one sentence each, before any host is touched. Hostvars are faked here; the real
 Ansible vault and undefined-variable behaviour is in tests/integration/test_prerequisites.py."""
 
@@ -8,16 +8,15 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from ansible.errors import AnsibleFilterError
 from archive_helpers import write_archive
 
+from k31deploy import prereqs as kv
 from k31deploy import wheelhouse
+from k31deploy.errors import K31Error
 from k31deploy.recipe import resolve
 
 REPO = Path(__file__).resolve().parents[2]
-PLUGIN = REPO / "roles" / "k31_validate" / "filter_plugins" / "k31_validate.py"
-spec = importlib.util.spec_from_file_location("k31_validate_filter", PLUGIN)
-kv = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kv)
 
 PD = {"platform": "mi355x", "agents": 92, "image": "reg/k31:rocm10", "model_path": "/models/kimi"}
 PLAYBOOK_DIR = str(REPO / "playbooks")
@@ -62,7 +61,7 @@ def groups_of(plan):
 
 
 def check(plan, hostvars, checks=kv.CHECKS, **kw):
-    return kv.k31_validate_prerequisites(plan, groups_of(plan), hostvars, PLAYBOOK_DIR, checks, **kw)
+    return kv.prerequisites(plan, groups_of(plan), hostvars, PLAYBOOK_DIR, checks, **kw)
 
 
 def test_a_complete_setup_has_no_problem(tmp_path):
@@ -313,8 +312,18 @@ def test_dynamo_and_mooncake_sets_follow_their_runtimes(tmp_path):
 
 
 def test_an_unknown_check_is_refused():
-    with pytest.raises(Exception, match="names floppy; valid choices: secrets, image, wheelhouse"):
+    with pytest.raises(K31Error, match="names floppy; valid choices: secrets, image, wheelhouse"):
         check(resolve(PD), FakeHostVars(), ["floppy"])
+    # the role's filter is the playbook's way in: the same checks, the refusal as Ansible's filter error
+    spec = importlib.util.spec_from_file_location(
+        "k31_validate_filter", REPO / "roles" / "k31_validate" / "filter_plugins" / "k31_validate.py")
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    filt = plugin.FilterModule().filters()["k31_validate_prerequisites"]
+    plan = resolve(PD)
+    assert filt(plan, groups_of(plan), cluster(plan, {"k31_router_api_key": "rk-1234567"}), PLAYBOOK_DIR) == []
+    with pytest.raises(AnsibleFilterError, match="names floppy"):
+        filt(plan, groups_of(plan), FakeHostVars(), PLAYBOOK_DIR, ["floppy"])
 
 
 def test_problem_names_the_command_that_fixes_it(tmp_path):
