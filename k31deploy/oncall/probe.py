@@ -31,7 +31,7 @@ FOLLOW_STATE = "/run/k31/pd-follow.state.json"
 # What a redeploy leaves on hosts while it runs (k31deploy.oncall.recover reads both).
 FOLLOW_HOLD = "/run/k31/pd-follow.hold"
 REDEPLOY_LOCK = "/run/k31/redeploy.lock"
-# The engines' health gate (roles/k31_engine/files/k31-engine-gate), which k31_engine installs beside this file.
+# The engines' health gate (gate.py of this folder), which k31_engine installs beside this file as k31-engine-gate.
 GATE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "k31-engine-gate")
 
 

@@ -1,5 +1,6 @@
-"""The engines' health gate on their host (roles/k31_engine/files/k31-engine-gate): quick probes first, then the
-model-load cadence, and an early failure on a crash loop instead of waiting out the health timeout."""
+"""The engines' health gate on their host (k31deploy/oncall/gate.py, installed as k31-engine-gate): quick probes
+first, then the model-load cadence, and an early failure on a crash loop instead of waiting out the health
+timeout."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 import threading
 
 import pytest
-from host_scripts import ROLES
+from host_scripts import ONCALL
 from host_scripts import load as load_script
 
-SCRIPT = ROLES / "k31_engine" / "files" / "k31-engine-gate"
+SCRIPT = ONCALL / "gate.py"
 
 
 def load():

@@ -1,11 +1,11 @@
-"""The k31-pd-follow watcher (roles/k31_redeploy/files/k31-pd-follow.py) against a fake host: a decode
-seen up, down and up again makes the local prefill restart -- drained through the router, re-added after
+"""The k31-pd-follow watcher (k31deploy/oncall/follow.py, installed as k31-pd-follow.py) against a fake host: a
+decode seen up, down and up again makes the local prefill restart -- drained through the router, re-added after
 its /health -- unless a redeploy holds it or the prefill already restarted after the decode came back."""
 
 import pytest
-from host_scripts import ROLES, load
+from host_scripts import ONCALL, load
 
-follow = load(ROLES / "k31_redeploy" / "files" / "k31-pd-follow.py", "k31_pd_follow")
+follow = load(ONCALL / "follow.py", "k31_pd_follow")
 
 ROUTER = "http://router:8000"
 ME = "http://p0:30000"
