@@ -6,6 +6,7 @@ the plan; every rule lives in k31deploy (catalog + resolver). Docs: `ansible-doc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,26 @@ def k31_image_archive_id(tarball: str, image: str) -> str:
 def k31_over_ssh(connection: str | None) -> bool:
     """Whether the controller's image archive goes to a host with this ansible_connection by rsync over SSH."""
     return imagearchive.copies_over_ssh(connection)
+
+
+def k31_call(result: Any, default: str = "no answer") -> dict[str, Any]:
+    """A host-side client call's answer (`k31_probe.py --call ...`, a raw task's registered result): its JSON line,
+    for a loop the first item that failed (else the last). Where it printed none, {"ok": false, "reason": its
+    stderr; else, where the command ran, `default`; else Ansible's msg (unreachable, timed out)}."""
+    items = list(result.get("results") or [result]) if isinstance(result, dict) else [{}]
+    failed = [r for r in items if r.get("failed") or r.get("unreachable")]
+    item = failed[0] if failed else items[-1]
+    try:
+        answer = json.loads((item.get("stdout") or "").strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        answer = None
+    if not isinstance(answer, dict):
+        answer = {"ok": False}
+    if answer.get("ok") is not True and not answer.get("reason"):
+        ran = item.get("rc") is not None and not item.get("unreachable")
+        answer["reason"] = (str(item.get("stderr") or "").strip()
+                            or (str(default) if ran else str(item.get("msg") or "").strip() or str(default)))
+    return answer
 
 
 def k31_ssh_addresses(hosts: list[str], hostvars: Any) -> list[str]:
@@ -298,4 +319,4 @@ class FilterModule:
                 "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
                 "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,
                 "k31_image_archive_sha256": k31_image_archive_sha256, "k31_image_rounds": k31_image_rounds,
-                "k31_over_ssh": k31_over_ssh, "k31_ssh_addresses": k31_ssh_addresses}
+                "k31_over_ssh": k31_over_ssh, "k31_ssh_addresses": k31_ssh_addresses, "k31_call": k31_call}

@@ -228,6 +228,15 @@ def step_files(ranks: list[dict[str, Any]], etc_dir: str, stage_dir: str) -> lis
     return out
 
 
+def gate_args(step: dict[str, Any], units: list[str], timeout: Any, quick: Any, interval: Any,
+              max_restarts: Any) -> list[str]:
+    """The health gate's arguments (k31-engine-gate, oncall/gate.py) after a restart on the server's rank-0 host:
+    rank 0's /health as the target, `units` (that host's ranks of it) watched for a crash loop."""
+    return ["--timeout", str(timeout), "--quick", str(quick), "--interval", str(interval),
+            "--max-restarts", str(max_restarts), f"--target={step['units'][0]}={step['health_url']}",
+            *(f"--watch={unit}" for unit in units)]
+
+
 def step_status(mode: str, reachable: bool, went: bool, failed: bool, rollback_failed: bool) -> str:
     """skipped | unreachable | failed | ok | rolled_back: a step that did not go (its server could not be drained
     or prepared) failed; one that failed its gate rolled back unless the roll-back failed too (a restart for the

@@ -5,6 +5,7 @@ env file: no call carries it) and the k31-pd-follow watcher calls, and the healt
 from __future__ import annotations
 
 import http.server
+import importlib.util
 import json
 import os
 import shutil
@@ -407,3 +408,28 @@ def test_the_monitoring_host_silences_the_servers_a_redeploy_restarts_and_expire
     assert rc == 1 and not out["ok"] and out["reason"] and silences == {}
     rc, out = cli("silence", {"url": f"{url}/silences", "auth": {**auth, "key": str(tls / "gone.key")}, "body": body})
     assert rc == 1 and out["reason"].startswith("the host's cluster certificate cannot be loaded")
+
+
+def test_the_call_filter_reads_the_clients_answer_from_a_raw_tasks_result():
+    """k31_call (filter_plugins/k31.py): what the roles read of a call's registered result."""
+    spec = importlib.util.spec_from_file_location(
+        "k31_filters", Path(__file__).resolve().parents[2] / "filter_plugins" / "k31.py")
+    filters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filters)
+    call = filters.FilterModule().filters()["k31_call"]
+    ok = {"rc": 0, "stdout": 'noise\n{"ok": true, "reason": "", "at": 17.5}\n', "stderr": ""}
+    assert call(ok) == {"ok": True, "reason": "", "at": 17.5}
+    refused = {"rc": 1, "failed": True, "stdout": '{"ok": false, "reason": "the router still lists it"}'}
+    assert call(refused, "x") == {"ok": False, "reason": "the router still lists it"}
+    # no JSON: the command's stderr, else (it ran) the default, else Ansible's word for a host that did not answer
+    assert call({"rc": 1, "failed": True, "stdout": "", "stderr": "python3: not found\n"}, "x")["reason"] == \
+        "python3: not found"
+    assert call({"rc": 1, "failed": True, "stdout": "", "msg": "non-zero return code"}, "the drain timed out") == \
+        {"ok": False, "reason": "the drain timed out"}
+    assert call({"unreachable": True, "msg": "Failed to connect to the host via ssh"}, "x")["reason"] == \
+        "Failed to connect to the host via ssh"
+    assert call({"skipped": True})["reason"] == "no answer"
+    # a loop: the first item that failed, else the last
+    loop = {"results": [ok, refused, {"rc": 1, "failed": True, "stdout": '{"ok": false, "reason": "later"}'}]}
+    assert call(loop)["reason"] == "the router still lists it"
+    assert call({"results": [refused | {"failed": False}, ok]})["ok"] is True

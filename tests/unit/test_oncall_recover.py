@@ -605,3 +605,39 @@ def test_the_repair_spec_probes_every_plan_host_with_k31_status_own_probe():
     arg = json.loads(spec["probe_args"]["r0"])
     assert arg["mode"] == "status" and arg["hosts"]["r0"]["lock"] is True
     assert spec["steps"]["d1"]["worker_url"] == URL["d1"]
+
+
+# -- a stale prefill's restart: the redeploy's own host-side calls ------------------------------------------
+
+GATE = {"timeout": 900, "quick": 10, "interval": 2, "max_restarts": 3}
+
+
+def test_a_stale_prefill_restarts_through_the_host_side_clients_stop_and_start():
+    from k31deploy.oncall.rollout import server_step
+    step = server_step(next(s for s in plan()["servers"] if s["name"] == "p0"), "repair")
+    idle = {"load_url": step["load_url"], "auth_file": "", "timeout": 30, "not_before": NOW + 1}
+    calls = recover.restart_calls(step, idle, GATE)
+    plain = {"units": ["k31-p0-r0"], "files": [], "stage_dir": "", "rollout": False}
+    assert calls == {
+        "stop": [["p0", {**plain, "idle": idle}]],
+        "start": [["p0", {**plain, "gate": ["--timeout", "900", "--quick", "10", "--interval", "2",
+                                            "--max-restarts", "3",
+                                            f"--target=k31-p0-r0={URL['p0']}/health",
+                                            "--watch=k31-p0-r0"]}]]}
+    # undrained (no router): the stop waits for nothing
+    assert "idle" not in recover.restart_calls(step, None, GATE)["stop"][0][1]
+
+
+def test_a_prefill_over_two_hosts_stops_rank0_first_and_starts_it_last_gated_there():
+    step = {"name": "prefill0", "hosts": ["a", "b", "b"], "rank0_host": "a",
+            "units": ["k31-prefill0-r0", "k31-prefill0-r1", "k31-prefill0-r2"],
+            "health_url": "http://10.0.0.1:30000/health"}
+    calls = recover.restart_calls(step, {"load_url": "u"}, GATE)
+    assert [(h, s["units"], "idle" in s) for h, s in calls["stop"]] == [
+        ("a", ["k31-prefill0-r0"], True), ("b", ["k31-prefill0-r1", "k31-prefill0-r2"], False)]
+    assert [(h, s.get("gate", [])[-1:]) for h, s in calls["start"]] == [
+        ("b", []), ("a", ["--watch=k31-prefill0-r0"])]
+    # a plain restart: nothing kept as .prev, nothing staged put in place or removed
+    assert all(s["files"] == [] and s["rollout"] is False for _, s in calls["stop"] + calls["start"])
+    # the probe's step() runs exactly these: a stop with no rollout only stops the units
+    assert probe.CALLS.count("stop") == 1 and probe.CALLS.count("start") == 1

@@ -16,6 +16,7 @@ try:
     from k31deploy.oncall import gather, recover
     from k31deploy.oncall.rollout import (
         follow_config,
+        gate_args,
         held,
         hold_now,
         incomplete,
@@ -124,6 +125,17 @@ def k31_redeploy_repair_incomplete(rec: dict[str, Any], failed: Any = None) -> s
     return recover.incomplete(dict(rec), list(failed or []))
 
 
+def k31_redeploy_restart_calls(step: dict[str, Any], idle: dict[str, Any] | None,
+                               gate: dict[str, Any]) -> dict[str, list]:
+    """A plain restart of one server as the host-side client's stop and start calls, per host."""
+    return recover.restart_calls(dict(step), dict(idle) if idle else None, dict(gate))
+
+
+def k31_redeploy_gate_args(step: dict[str, Any], units: list[str], gate: dict[str, Any]) -> list[str]:
+    """The health gate's arguments on the server's rank-0 host (gate: timeout, quick, interval, max_restarts)."""
+    return gate_args(dict(step), list(units), **dict(gate))
+
+
 def k31_redeploy_step_mode(step: dict[str, Any], done: list[dict[str, Any]]) -> str:
     """rollout | restart (the PD rule after a failure) | skip, from the results of the steps before."""
     return step_mode(step, list(done))
@@ -178,4 +190,5 @@ class FilterModule:
             k31_redeploy_recovery, k31_redeploy_step_mode, k31_redeploy_step_files, k31_redeploy_step_status,
             k31_redeploy_results, k31_redeploy_hold_now, k31_redeploy_held, k31_redeploy_step_report,
             k31_redeploy_outcomes, k31_redeploy_report, k31_redeploy_incomplete, k31_redeploy_readd_now,
-            k31_redeploy_release_now, k31_redeploy_repair_incomplete)}
+            k31_redeploy_release_now, k31_redeploy_repair_incomplete, k31_redeploy_restart_calls,
+            k31_redeploy_gate_args)}
