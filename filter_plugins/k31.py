@@ -111,8 +111,9 @@ def k31_call(result: Any, default: str = "no answer") -> dict[str, Any]:
     except (IndexError, ValueError):
         answer = None
     if not isinstance(answer, dict):
-        answer = {"ok": False}
-    if answer.get("ok") is not True and not answer.get("reason"):
+        answer = {}
+    answer["ok"] = answer.get("ok") is True    # always there: Ansible 2.19 refuses `.ok` on a dict without it
+    if not answer["ok"] and not answer.get("reason"):
         ran = item.get("rc") is not None and not item.get("unreachable")
         answer["reason"] = (str(item.get("stderr") or "").strip()
                             or (str(default) if ran else str(item.get("msg") or "").strip() or str(default)))

@@ -279,10 +279,7 @@ def decide(plan: dict[str, Any], answers: dict[str, dict[str, Any]], now: float 
     held = holds(answers, now)
     release = sorted(held)
     doc = {"states": states, "start": start, "wait": wait, "restart": sorted(stale), "stale": stale,
-           "readd": readd, "release": release, "holds": held, "left": left,
-           # the ranks to start, as (host, unit), rank 0 first
-           "start_ranks": [[r["host"], r["unit"]] for srv in plan["servers"] if srv["name"] in start
-                           for r in srv["ranks"]]}
+           "readd": readd, "release": release, "holds": held, "left": left}
     doc["nothing"] = not (start or wait or stale or readd or release)
     doc["summary"] = summary(doc)
     return doc
@@ -371,3 +368,11 @@ def restart_calls(step: dict[str, Any], idle: dict[str, Any] | None, gate: dict[
     return {"stop": [[rank0, spec(rank0, **({"idle": idle} if idle else {}))]] + [[h, spec(h)] for h in hosts[1:]],
             "start": [[h, spec(h)] for h in hosts[1:]]
                      + [[rank0, spec(rank0, gate=gate_args(step, units[rank0], **gate))]]}
+
+
+def resume_calls(doc: dict[str, Any], steps: dict[str, dict[str, Any]], gate: dict[str, Any]) -> list[list]:
+    """What brings back the servers an interrupted redeploy stopped (decide's `start`) and waits for those loading
+    (`wait`): each server's start calls (restart_calls: rank 0's host last, gated there), as [host, spec, whether
+    it starts a stopped server]. A loading server's start is systemd's no-op for an active unit: it only gates."""
+    return [[host, spec, name in doc["start"]] for name in [*doc["start"], *doc["wait"]]
+            for host, spec in restart_calls(steps[name], None, gate)["start"]]

@@ -125,11 +125,20 @@ def test_loading_and_stopped_servers_come_first_and_nothing_else_is_decided_mean
     assert todo["start"] == [] and todo["wait"] == []
 
 
-def test_the_repair_starts_every_rank_of_a_stopped_server():
-    answers = fleet()
+def test_the_repair_starts_every_rank_of_a_stopped_server_and_gates_the_loading_ones():
+    from k31deploy.oncall.rollout import server_step
+    steps = {s["name"]: server_step(s, "repair") for s in plan()["servers"]}
+    gate = {"timeout": 900, "quick": 10, "interval": 2, "max_restarts": 3}
+    answers = fleet(health={"p1": 503})
+    answers["p1"]["units"]["k31-p1-r0"]["uptime_s"] = 5      # loading
     answers["d0"]["units"]["k31-d0-r0"]["active"] = "inactive"
-    assert recover.decide(plan(), answers, now=NOW)["start_ranks"] == [["d0", "k31-d0-r0"]]
-    assert recover.decide(plan(), fleet(), now=NOW)["start_ranks"] == []
+    doc = recover.decide(plan(), answers, now=NOW)
+    assert doc["start"] == ["d0"] and doc["wait"] == ["p1"]
+    calls = recover.resume_calls(doc, steps, gate)
+    assert [(host, spec["units"], starts) for host, spec, starts in calls] == [
+        ("d0", ["k31-d0-r0"], True), ("p1", ["k31-p1-r0"], False)]
+    assert all(spec["gate"][-1] == f"--watch={spec['units'][0]}" for _, spec, _ in calls)
+    assert recover.resume_calls(recover.decide(plan(), fleet(), now=NOW), steps, gate) == []
 
 
 def test_a_failed_prefill_restart_keeps_the_decodes_out_and_fails_the_repair_naming_it():

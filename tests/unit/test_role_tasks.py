@@ -7,6 +7,7 @@ how a role checks that a host answers: an SSH round trip (`raw`), not a module r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -58,12 +59,12 @@ def test_no_conditional_block_makes_every_host_skip_many_tasks():
 
 def test_every_http_call_of_a_role_goes_to_the_cluster_address_not_a_proxy():
     """A host (or /etc/environment) with https_proxy for its egress and no no_proxy for the cluster sends `uri`'s
-    requests to that proxy: a health gate or the repair's wait would then fail or hang on it. k31_probe.py (the
-    redeploy's drain, re-add and silence) and library/k31_files.py (its wait) ask without proxies too
-    (test_host_client and test_k31_files_units pin them)."""
+    requests to that proxy: a readiness wait would then fail or hang on it. k31_probe.py and the health gate (the
+    redeploy's and the repair's drain, re-add, silence and /health waits) and library/k31_files.py (its wait) ask
+    without proxies too (test_host_client, test_engine_gate and test_k31_files_units pin them)."""
     calls = [(path.relative_to(REPO), task) for path in sorted(REPO.glob("roles/*/tasks/*.yml"))
              for task in all_tasks(yaml.safe_load(path.read_text())) if "ansible.builtin.uri" in task]
-    assert len(calls) >= 4
+    assert len(calls) >= 2    # the router's and the Dynamo frontend's readiness waits
     through_proxy = [f"{path}: {task['name']}" for path, task in calls
                      if task["ansible.builtin.uri"].get("use_proxy") is not False]
     assert through_proxy == []
@@ -130,11 +131,18 @@ def test_a_drain_and_a_readd_ask_the_router_with_the_keys_it_holds_read_on_its_h
 
 
 def test_a_client_answer_without_ok_fails_with_the_roles_own_message():
-    """The host-side client answers {"ok", "reason", ...}; a call that timed out or crashed leaves no such answer
-    (its stdout defaults to {}). Ansible 2.19 refuses `.ok` on a dict without it ("object of type 'dict' has no
-    attribute 'ok'"), which replaced the task's own message ("refused: ...", "the re-add did not answer within its
-    timeout") with that error: every `.ok` of a parsed answer defaults to false."""
+    """The host-side client answers {"ok", "reason", ...}; a call that timed out or crashed leaves no such answer.
+    Ansible 2.19 refuses `.ok` on a dict without it ("object of type 'dict' has no attribute 'ok'"), which replaced
+    the task's own message ("refused: ...", "the re-add did not answer within its timeout") with that error. Every
+    task reads an answer through the k31_call filter, whose answer always has ok and, where ok is not true, a
+    reason (test_host_client pins its cases); none parses stdout itself."""
     texts = {path.relative_to(REPO): path.read_text() for path in sorted(REPO.glob("roles/*/tasks/*.yml"))}
-    uses = [(path, m) for path, text in texts.items() for m in re.finditer(r"from_json\)\.ok\b(.{0,25})", text)]
-    assert len(uses) >= 4
-    assert [f"{path}: .ok{m.group(1)}" for path, m in uses if not m.group(1).startswith(" | default(false)")] == []
+    assert sum(text.count("| k31_call") for text in texts.values()) >= 10
+    assert [str(path) for path, text in texts.items() if re.search(r"from_json\)\.(ok|reason)\b", text)] == []
+    spec = importlib.util.spec_from_file_location("k31_filters", REPO / "filter_plugins" / "k31.py")
+    filters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filters)
+    call = filters.FilterModule().filters()["k31_call"]
+    for result in ({}, {"stdout": "{}"}, {"stdout": '{"reason": ""}'}, {"stdout": "[]"}, {"skipped": True}):
+        answer = call(result, "the role's own message")
+        assert answer["ok"] is False and answer["reason"], result

@@ -131,6 +131,11 @@ def k31_redeploy_restart_calls(step: dict[str, Any], idle: dict[str, Any] | None
     return recover.restart_calls(dict(step), dict(idle) if idle else None, dict(gate))
 
 
+def k31_redeploy_resume_calls(rec: dict[str, Any], steps: dict[str, Any], gate: dict[str, Any]) -> list[list]:
+    """The start calls that bring back what an interrupted redeploy stopped and gate what is loading."""
+    return recover.resume_calls(dict(rec), dict(steps), dict(gate))
+
+
 def k31_redeploy_gate_args(step: dict[str, Any], units: list[str], gate: dict[str, Any]) -> list[str]:
     """The health gate's arguments on the server's rank-0 host (gate: timeout, quick, interval, max_restarts)."""
     return gate_args(dict(step), list(units), **dict(gate))
@@ -191,4 +196,4 @@ class FilterModule:
             k31_redeploy_results, k31_redeploy_hold_now, k31_redeploy_held, k31_redeploy_step_report,
             k31_redeploy_outcomes, k31_redeploy_report, k31_redeploy_incomplete, k31_redeploy_readd_now,
             k31_redeploy_release_now, k31_redeploy_repair_incomplete, k31_redeploy_restart_calls,
-            k31_redeploy_gate_args)}
+            k31_redeploy_gate_args, k31_redeploy_resume_calls)}
