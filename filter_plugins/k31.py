@@ -102,7 +102,8 @@ def k31_over_ssh(connection: str | None) -> bool:
 def k31_call(result: Any, default: str = "no answer") -> dict[str, Any]:
     """A host-side client call's answer (`k31_probe.py --call ...`, a raw task's registered result): its JSON line,
     for a loop the first item that failed (else the last). Where it printed none, {"ok": false, "reason": its
-    stderr; else, where the command ran, `default`; else Ansible's msg (unreachable, timed out)}."""
+    stderr; else Ansible's msg where the host did not answer; else `default` (the caller's words for a call that
+    timed out or said nothing)}."""
     items = list(result.get("results") or [result]) if isinstance(result, dict) else [{}]
     failed = [r for r in items if r.get("failed") or r.get("unreachable")]
     item = failed[0] if failed else items[-1]
@@ -114,9 +115,8 @@ def k31_call(result: Any, default: str = "no answer") -> dict[str, Any]:
         answer = {}
     answer["ok"] = answer.get("ok") is True    # always there: Ansible 2.19 refuses `.ok` on a dict without it
     if not answer["ok"] and not answer.get("reason"):
-        ran = item.get("rc") is not None and not item.get("unreachable")
-        answer["reason"] = (str(item.get("stderr") or "").strip()
-                            or (str(default) if ran else str(item.get("msg") or "").strip() or str(default)))
+        lost = str(item.get("msg") or "").strip() if item.get("unreachable") else ""
+        answer["reason"] = str(item.get("stderr") or "").strip() or lost or str(default)
     return answer
 
 

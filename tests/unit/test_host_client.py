@@ -421,7 +421,7 @@ def test_the_call_filter_reads_the_clients_answer_from_a_raw_tasks_result():
     assert call(ok) == {"ok": True, "reason": "", "at": 17.5}
     refused = {"rc": 1, "failed": True, "stdout": '{"ok": false, "reason": "the router still lists it"}'}
     assert call(refused, "x") == {"ok": False, "reason": "the router still lists it"}
-    # no JSON: the command's stderr, else (it ran) the default, else Ansible's word for a host that did not answer
+    # no JSON: the command's stderr, else Ansible's word for a host that did not answer, else the caller's words
     assert call({"rc": 1, "failed": True, "stdout": "", "stderr": "python3: not found\n"}, "x")["reason"] == \
         "python3: not found"
     assert call({"rc": 1, "failed": True, "stdout": "", "msg": "non-zero return code"}, "the drain timed out") == \
@@ -429,6 +429,9 @@ def test_the_call_filter_reads_the_clients_answer_from_a_raw_tasks_result():
     assert call({"unreachable": True, "msg": "Failed to connect to the host via ssh"}, "x")["reason"] == \
         "Failed to connect to the host via ssh"
     assert call({"skipped": True})["reason"] == "no answer"
+    timed_out = {"failed": True, "timedout": {"frame": "", "period": 90}, "msg": "The task was terminated"}
+    assert call(timed_out, "the drain did not answer within its timeout")["reason"] == \
+        "the drain did not answer within its timeout"
     # a loop: the first item that failed, else the last
     loop = {"results": [ok, refused, {"rc": 1, "failed": True, "stdout": '{"ok": false, "reason": "later"}'}]}
     assert call(loop)["reason"] == "the router still lists it"
