@@ -6,6 +6,7 @@ writes below the stage root."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -23,6 +24,10 @@ from k31deploy.recipe import resolve
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_UNITS = ROOT / "roles/k31_engine/tasks/units.yml"
 UNIT_TASKS = ROOT / "roles/k31_unit/tasks/main.yml"
+_spec = importlib.util.spec_from_file_location("k31_unit_filters", ROOT / "roles/k31_unit/filter_plugins/k31_unit.py")
+_plugin = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_plugin)
+UNIT_FILTERS = _plugin.FilterModule().filters()    # the role's own filters (k31deploy.units)
 PLAN = resolve({"platform": "mi355x", "topology": "pd", "agents": 92})    # prefill0 on node0, decode0 on node1
 
 # What roles/k31_engine/templates/engine.service.j2 rendered for k31-prefill0-r0 before the engine's units moved to
@@ -271,7 +276,7 @@ def _filters() -> dict:
     """Ansible's own filters Jinja lacks (its versions of Jinja's builtins need its templar)."""
     ansible_filters = {**CoreFilters().filters(), **MathFilters().filters()}
     names = ("bool", "combine", "dirname", "flatten", "unique", "quote", "hash")
-    return {name: ansible_filters[name] for name in names}
+    return {**{name: ansible_filters[name] for name in names}, **UNIT_FILTERS}
 
 
 def _block_scope(include: dict, contexts: list[dict]) -> tuple[dict, dict, dict]:
@@ -460,3 +465,28 @@ def test_the_current_check_reads_the_host_through_a_real_shell_and_skips_only_wh
     assert all("not _k31_unit_in_place" in str(t["when"]) for t in guarded)
     assert native(block["vars"]["_k31_unit_in_place"].strip(),
                   {**scope, "k31_unit_current_check": False, "_k31_unit_current": True}, filters) is False
+
+
+def test_the_lifecycles_decisions_are_plain_python():
+    """k31deploy.units, which the role's filters adapt: the start groups, and the in-place comparison (modes as
+    stat prints them, however the role's file list spells them)."""
+    from k31deploy import units
+    decode = {"name": "k31-decode0-r0", "first": True, "restart": False, "path": "/d"}
+    prefill = {"name": "k31-prefill0-r0", "first": False, "restart": True, "path": "/p"}
+    files = [{"dest": "/etc/k31/a.env", "unit": "k31-prefill0-r0"}, {"dest": "/etc/k31/b.sh", "unit": "other"}]
+    assert units.starts([decode, prefill], files, "first") == [
+        {"name": "k31-decode0-r0", "state": "started", "unit_file": "/d", "restart_on": []}]
+    assert units.starts([decode, prefill], files, "others") == [
+        {"name": "k31-prefill0-r0", "state": "restarted", "unit_file": "/p", "restart_on": ["/etc/k31/a.env"]}]
+    assert [u["name"] for u in units.starts([decode, prefill], files, "all")] == ["k31-decode0-r0", "k31-prefill0-r0"]
+    with pytest.raises(ValueError, match="valid choices: all, first, others"):
+        units.starts([decode], files, "some")
+    rendered = [{"dest": "/x", "mode": "0600", "content": "a"}, {"dest": "/y", "mode": 0o755, "content": ""}]
+    read = [f"600:root:root {hashlib.sha256(b'a').hexdigest()}", f"755:root:root {hashlib.sha256(b'').hexdigest()}",
+            "enabled", "active"]
+    assert units.in_place(read, rendered, [decode]) is True
+    assert units.in_place(read, rendered, [prefill]) is False                    # it asks to restart
+    assert units.in_place([read[0], "missing", *read[2:]], rendered, [decode]) is False
+    assert units.in_place([*read[:3], "inactive"], rendered, [decode]) is False
+    # the role's filter reads set_fact's booleans-as-text leniently
+    assert UNIT_FILTERS["k31_unit_in_place"](read, rendered, [{**decode, "restart": "False"}]) is True
