@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ansible.module_utils.parsing.convert_bool import boolean
+
 from k31deploy import imagearchive, wheelhouse
 from k31deploy.catalog import load_yaml
 from k31deploy.errors import K31Error
@@ -28,8 +30,6 @@ from k31deploy.recipe.hosts import (
     serves_image,
 )
 
-# Ansible's lenient reading of a boolean (ansible.module_utils.parsing.convert_bool, strict=False), without Ansible.
-TRUE = frozenset(("y", "yes", "on", "1", "true", "t", "1.0"))
 CHECKS = ("secrets", "image", "wheelhouse")
 IMAGE_SOURCES = ("registry", "tarball", "build")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -100,8 +100,7 @@ class Host:
         return "" if value is None else str(value)
 
     def flag(self, var: str) -> bool:
-        value = self.get(var)
-        return value if isinstance(value, bool) else str(value or "").strip().lower() in TRUE
+        return boolean(self.get(var) or False, strict=False)    # as the roles' `| bool` reads it
 
 
 class Problems:

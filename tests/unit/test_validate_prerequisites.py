@@ -363,3 +363,11 @@ def test_bad_monitoring_settings_are_refused_before_any_host(extra, sentence):
     assert len(found) == 1 and found[0].startswith(sentence), found
     good = {"k31_monitoring_scrape_interval": "5s", "k31_monitoring_rule_settings": {"engine_down_for": "30m"}}
     assert check(plan, cluster(plan, {"k31_router_api_key": "rk-1234567", **good}), ["secrets"]) == []
+
+
+def test_a_flag_reads_as_the_roles_bool_filter_reads_it():
+    """Host.flag is Ansible's own lenient boolean (the roles test these settings with `| bool`)."""
+    hostvars = {"node0": {f"v{i}": v for i, v in enumerate(("yes", "on", "1", 1, 1.0, True, "1.0", "no", 2, ""))}}
+    host = kv.Host("node0", hostvars, {})
+    assert [host.flag(f"v{i}") for i in range(10)] == [True] * 6 + [False] * 4
+    assert host.flag("unset") is False
