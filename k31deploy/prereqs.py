@@ -3,8 +3,8 @@ install, the serving image's source, the secrets (Ansible Vault) the roles read 
 
 The validate play (roles/k31_validate, its filter k31_validate_prerequisites) calls `prerequisites` on localhost,
 where the other roles' defaults are not in scope: they are read from roles/*/defaults/main.yml, and the secrets
-are the role variables whose argument_specs say no_log. A consumer of the plan: it reads the plan and the
-inventory's hostvars, never the catalog's rules.
+are the role variables whose argument_specs say no_log. Driver layer (docs/architecture.md): it reads the plan
+and the inventory's hostvars as Ansible hands them over, never the catalog's rules.
 """
 
 from __future__ import annotations
