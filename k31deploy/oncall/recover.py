@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from k31deploy.oncall.rollout import gate_args, worker_url
+from k31deploy.oncall.rollout import gate_args, idle_spec, worker_url
 
 LOCK_PATH = "/run/k31/redeploy.lock"
 HOLD_PATH = "/run/k31/pd-follow.hold"
@@ -352,12 +352,12 @@ def problems(plan: dict[str, Any], answers: dict[str, dict[str, Any]], verdict: 
     return out
 
 
-def restart_calls(step: dict[str, Any], idle: dict[str, Any] | None, gate: dict[str, Any]) -> dict[str, list]:
+def restart_calls(step: dict[str, Any], drain: dict[str, Any] | None, gate: dict[str, Any]) -> dict[str, list]:
     """A plain restart of one server (a stale prefill the repair restarts for the PD rule) as the host-side client's
     stop and start calls, the redeploy's own (probe.step, nothing staged): {"stop": [[host, spec], ...] rank 0's host
-    first, its stop waiting for the requests in flight (`idle`, probe.wait_idle's spec) unless None; "start": rank 0's
-    host last, where the health gate (`gate`: timeout, quick, interval, max_restarts) waits for /health while the
-    other hosts' ranks are already up."""
+    first, its stop waiting for the requests in flight where the server was drained (`drain`: idle_spec's timeout
+    and not_before); "start": rank 0's host last, where the health gate (`gate`: timeout, quick, interval,
+    max_restarts) waits for /health while the other hosts' ranks are already up."""
     hosts = list(dict.fromkeys([step["rank0_host"], *step["hosts"]]))
     units = {h: [u for host, u in zip(step["hosts"], step["units"], strict=True) if host == h] for h in hosts}
 
@@ -365,7 +365,8 @@ def restart_calls(step: dict[str, Any], idle: dict[str, Any] | None, gate: dict[
         return {"units": units[host], "files": [], "stage_dir": "", "rollout": False, **extra}
 
     rank0 = step["rank0_host"]
-    return {"stop": [[rank0, spec(rank0, **({"idle": idle} if idle else {}))]] + [[h, spec(h)] for h in hosts[1:]],
+    idle = {"idle": idle_spec(step, **drain)} if drain else {}
+    return {"stop": [[rank0, spec(rank0, **idle)]] + [[h, spec(h)] for h in hosts[1:]],
             "start": [[h, spec(h)] for h in hosts[1:]]
                      + [[rank0, spec(rank0, gate=gate_args(step, units[rank0], **gate))]]}
 

@@ -228,6 +228,14 @@ def step_files(ranks: list[dict[str, Any]], etc_dir: str, stage_dir: str) -> lis
     return out
 
 
+def idle_spec(step: dict[str, Any], timeout: Any, not_before: Any = 0) -> dict[str, Any]:
+    """What rank 0's stop waits for first (probe.wait_idle's spec): not before the epoch `not_before` (the grace
+    after the router let the server go), then no request in flight on the engine's /get_load, read with the key
+    the running engine checks (its own key file), up to `timeout` seconds."""
+    return {"load_url": step["load_url"], "auth_file": step.get("auth_file") or "", "timeout": int(timeout),
+            "not_before": float(not_before)}
+
+
 def gate_args(step: dict[str, Any], units: list[str], timeout: Any, quick: Any, interval: Any,
               max_restarts: Any) -> list[str]:
     """The health gate's arguments (k31-engine-gate, oncall/gate.py) after a restart on the server's rank-0 host:

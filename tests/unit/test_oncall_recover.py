@@ -624,8 +624,8 @@ GATE = {"timeout": 900, "quick": 10, "interval": 2, "max_restarts": 3}
 def test_a_stale_prefill_restarts_through_the_host_side_clients_stop_and_start():
     from k31deploy.oncall.rollout import server_step
     step = server_step(next(s for s in plan()["servers"] if s["name"] == "p0"), "repair")
-    idle = {"load_url": step["load_url"], "auth_file": "", "timeout": 30, "not_before": NOW + 1}
-    calls = recover.restart_calls(step, idle, GATE)
+    idle = {"load_url": step["load_url"], "auth_file": step["auth_file"], "timeout": 30, "not_before": NOW + 1}
+    calls = recover.restart_calls(step, {"timeout": "30", "not_before": NOW + 1}, GATE)
     plain = {"units": ["k31-p0-r0"], "files": [], "stage_dir": "", "rollout": False}
     assert calls == {
         "stop": [["p0", {**plain, "idle": idle}]],
@@ -640,8 +640,8 @@ def test_a_stale_prefill_restarts_through_the_host_side_clients_stop_and_start()
 def test_a_prefill_over_two_hosts_stops_rank0_first_and_starts_it_last_gated_there():
     step = {"name": "prefill0", "hosts": ["a", "b", "b"], "rank0_host": "a",
             "units": ["k31-prefill0-r0", "k31-prefill0-r1", "k31-prefill0-r2"],
-            "health_url": "http://10.0.0.1:30000/health"}
-    calls = recover.restart_calls(step, {"load_url": "u"}, GATE)
+            "health_url": "http://10.0.0.1:30000/health", "load_url": "http://10.0.0.1:30000/get_load"}
+    calls = recover.restart_calls(step, {"timeout": 30}, GATE)
     assert [(h, s["units"], "idle" in s) for h, s in calls["stop"]] == [
         ("a", ["k31-prefill0-r0"], True), ("b", ["k31-prefill0-r1", "k31-prefill0-r2"], False)]
     assert [(h, s.get("gate", [])[-1:]) for h, s in calls["start"]] == [

@@ -19,6 +19,7 @@ try:
         gate_args,
         held,
         hold_now,
+        idle_spec,
         incomplete,
         outcomes,
         report,
@@ -125,10 +126,15 @@ def k31_redeploy_repair_incomplete(rec: dict[str, Any], failed: Any = None) -> s
     return recover.incomplete(dict(rec), list(failed or []))
 
 
-def k31_redeploy_restart_calls(step: dict[str, Any], idle: dict[str, Any] | None,
+def k31_redeploy_restart_calls(step: dict[str, Any], drain: dict[str, Any] | None,
                                gate: dict[str, Any]) -> dict[str, list]:
     """A plain restart of one server as the host-side client's stop and start calls, per host."""
-    return recover.restart_calls(dict(step), dict(idle) if idle else None, dict(gate))
+    return recover.restart_calls(dict(step), dict(drain) if drain else None, dict(gate))
+
+
+def k31_redeploy_idle_spec(step: dict[str, Any], timeout: Any, not_before: Any = 0) -> dict[str, Any]:
+    """What rank 0's stop waits for first: the grace after the removal, then no request in flight."""
+    return idle_spec(dict(step), timeout, not_before)
 
 
 def k31_redeploy_resume_calls(rec: dict[str, Any], steps: dict[str, Any], gate: dict[str, Any]) -> list[list]:
@@ -196,4 +202,4 @@ class FilterModule:
             k31_redeploy_results, k31_redeploy_hold_now, k31_redeploy_held, k31_redeploy_step_report,
             k31_redeploy_outcomes, k31_redeploy_report, k31_redeploy_incomplete, k31_redeploy_readd_now,
             k31_redeploy_release_now, k31_redeploy_repair_incomplete, k31_redeploy_restart_calls,
-            k31_redeploy_gate_args, k31_redeploy_resume_calls)}
+            k31_redeploy_gate_args, k31_redeploy_resume_calls, k31_redeploy_idle_spec)}
