@@ -25,6 +25,7 @@ from k31deploy import validate
 from k31deploy.address import url
 from k31deploy.catalog import flag_registry
 from k31deploy.errors import K31Error
+from k31deploy.plan import Pki, Plan, Service
 
 ETCD = "/usr/bin/etcd"          # Debian's etcd-server
 ETCD_NAME = "k31"
@@ -35,27 +36,27 @@ ETCD_PEER_PORT = 2380           # etcd's default peer port (upstream etcd server
 _UNIT_WORD = re.compile(r"[A-Za-z0-9._+@=/:,\[\]-]+", re.ASCII)
 
 
-def _dynamo(plan: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    router = plan.get("router") or {}
-    if router.get("kind") != "dynamo" or not plan.get("pki"):
+def _dynamo(doc: Plan | dict[str, Any]) -> tuple[Service, Pki]:
+    plan = Plan.of(doc)
+    if not plan.router or plan.router.kind != "dynamo" or not plan.pki:
         raise K31Error("Dynamo's etcd and NATS run only where the plan has router=dynamo (with the cluster CA); "
-                       f"this plan has router={router.get('kind', 'none')}")
-    return router, plan["pki"]
+                       f"this plan has router={plan.router.kind if plan.router else 'none'}")
+    return plan.router, plan.pki
 
 
-def etcd_command(plan: dict[str, Any], state_dir: str) -> list[list[str]]:
+def etcd_command(plan: Plan | dict[str, Any], state_dir: str) -> list[list[str]]:
     """etcd's command line in groups of related flags (one line each in the unit); its data in
     `<state_dir>/etcd` (state_dir: k31_dynamo_state_dir)."""
     router, pki = _dynamo(plan)
     data_dir = f"{validate.local_path('k31_dynamo_state_dir', state_dir)}/etcd"
-    port = router["discovery"]["etcd_port"]
-    cluster = url("https", router["address"], port)
+    port = router.discovery["etcd_port"]
+    cluster = url("https", router.address, port)
     groups = [
         [ETCD, "--name", ETCD_NAME, "--data-dir", data_dir],
         ["--listen-client-urls", f"{cluster},{url('https', LOOPBACK, port)}"],
         ["--advertise-client-urls", cluster],
-        ["--cert-file", pki["cert"], "--key-file", pki["key"]],
-        ["--client-cert-auth", "--trusted-ca-file", pki["ca"]],
+        ["--cert-file", pki.cert, "--key-file", pki.key],
+        ["--client-cert-auth", "--trusted-ca-file", pki.ca],
         ["--listen-peer-urls", url("http", LOOPBACK, ETCD_PEER_PORT)],
     ]
     known = flag_registry()["etcd"]
@@ -65,11 +66,11 @@ def etcd_command(plan: dict[str, Any], state_dir: str) -> list[list[str]]:
     return groups
 
 
-def etcd_argv(plan: dict[str, Any], state_dir: str) -> list[str]:
+def etcd_argv(plan: Plan | dict[str, Any], state_dir: str) -> list[str]:
     return [token for group in etcd_command(plan, state_dir) for token in group]
 
 
-def etcd_exec_start(plan: dict[str, Any], state_dir: str) -> str:
+def etcd_exec_start(plan: Plan | dict[str, Any], state_dir: str) -> str:
     """The unit's ExecStart= value: etcd's command, a group of flags per continued line."""
     groups = etcd_command(plan, state_dir)
     for token in (t for group in groups for t in group):
@@ -78,7 +79,7 @@ def etcd_exec_start(plan: dict[str, Any], state_dir: str) -> str:
     return " \\\n  ".join(" ".join(group) for group in groups)
 
 
-def nats_conf(plan: dict[str, Any], token: str) -> str:
+def nats_conf(plan: Plan | dict[str, Any], token: str) -> str:
     """NATS's configuration (nats-server -c): listen address and port, TLS requiring a cluster-CA client
     certificate, and the token clients must also send."""
     router, pki = _dynamo(plan)
@@ -86,12 +87,12 @@ def nats_conf(plan: dict[str, Any], token: str) -> str:
         raise K31Error("k31_dynamo_nats_token is empty or holds a quote, backslash or control character; valid: "
                        "a non-empty token without them (by default derived from the CA key: leave it unset)")
     return "\n".join([
-        f'host: "{router["address"]}"',
-        f"port: {router['discovery']['nats_port']}",
+        f'host: "{router.address}"',
+        f"port: {router.discovery['nats_port']}",
         "tls {",
-        f'  cert_file: "{pki["cert"]}"',
-        f'  key_file: "{pki["key"]}"',
-        f'  ca_file: "{pki["ca"]}"',
+        f'  cert_file: "{pki.cert}"',
+        f'  key_file: "{pki.key}"',
+        f'  ca_file: "{pki.ca}"',
         "  verify: true",
         "}",
         "authorization {",

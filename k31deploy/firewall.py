@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k31deploy.errors import K31Error
+from k31deploy.plan import Plan
 
 ANY = ["0.0.0.0/0", "::/0"]
 
@@ -54,47 +55,45 @@ def _networks(items: list[str], what: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(_network(i, what) for i in items))
 
 
-def client_endpoints(plan: dict[str, Any]) -> set[tuple[str, int]]:
+def client_endpoints(plan: Plan) -> set[tuple[str, int]]:
     """(host, port) clients use: the router or Dynamo frontend, else each unified server's rank 0."""
-    router = plan.get("router")
-    if router:
-        return {(router["host"], router["port"])}
-    return {(s["ranks"][0]["host"], s["port"]) for s in plan["servers"] if s["role"] == "unified"}
+    if plan.router:
+        return {(plan.router.host, plan.router.port)}
+    return {(s.ranks[0].host, s.port) for s in plan.servers if s.role == "unified"}
 
 
-def plan_addresses(plan: dict[str, Any]) -> list[str]:
-    found = [r["address"] for s in plan["servers"] for r in s["ranks"]]
-    for other in (plan.get("router"), plan.get("mooncake_master")):
-        if other:
-            found.append(other["address"])
-    found += [n["address"] for n in (plan.get("monitoring") or {}).get("nodes", [])]
+def plan_addresses(plan: Plan) -> list[str]:
+    found = [r.address for s in plan.servers for r in s.ranks]
+    found += [other.address for other in (plan.router, plan.mooncake_master) if other]
+    found += [n.address for n in plan.monitoring.nodes] if plan.monitoring else []
     return list(dict.fromkeys(found))
 
 
-def rules(plan: dict[str, Any], host: str, settings: Settings) -> list[Rule]:
+def rules(doc: Plan | dict[str, Any], host: str, settings: Settings) -> list[Rule]:
     """The host's rules in order: SSH, then each planned port, then the run-time port peers."""
+    plan = Plan.of(doc)
     cluster = _networks(settings.cluster_sources or plan_addresses(plan), "k31_firewall_cluster_sources")
     public = _networks(settings.public_sources, "k31_firewall_public_sources")
     out = [Rule(str(settings.ssh_port), _networks(settings.ssh_sources, "k31_firewall_ssh_sources"),
                 "ssh: the controller's way in")]
     endpoint = client_endpoints(plan)
-    for entry in plan.get("ports", []):
-        if entry["host"] != host:
+    for entry in plan.ports:
+        if entry.host != host:
             continue
-        sources = public if (entry["host"], entry["port"]) in endpoint else cluster
-        numbers = f"{entry['port']}-{entry['port_last']}" if entry.get("port_last") else str(entry["port"])
-        out.append(Rule(numbers, sources, f"{entry['service']}: {entry['purpose']}", entry["proto"]))
-    mine = [(s, r) for s in plan["servers"] for r in s["ranks"] if r["host"] == host]
-    if plan["topology"] == "pd" and mine:
-        peers = [r["address"] for s in plan["servers"] for r in s["ranks"]]
-        low, high = plan["pd_transfer_ports"]
+        sources = public if (entry.host, entry.port) in endpoint else cluster
+        numbers = f"{entry.port}-{entry.port_last}" if entry.port_last else str(entry.port)
+        out.append(Rule(numbers, sources, f"{entry.service}: {entry.purpose}", entry.proto))
+    mine = plan.placed(host)
+    if plan.topology == "pd" and mine and plan.pd_transfer_ports:
+        peers = [r.address for s in plan.servers for r in s.ranks]
+        low, high = plan.pd_transfer_ports
         out.append(Rule(f"{low}-{high}", _networks(peers, "engine addresses"),
                         "mooncake: PD transfer RPC between engine hosts (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)"))
     for server, rank in mine:
-        if server["layout"]["nnodes"] > 1:
-            peers = [r["address"] for r in server["ranks"] if r is not rank]
+        if server.layout.nnodes > 1:
+            peers = [r.address for r in server.ranks if r is not rank]
             for proto in ("tcp", "udp"):
-                out.append(Rule("", _networks(peers, "server addresses"), f"{server['name']}: its other nodes "
+                out.append(Rule("", _networks(peers, "server addresses"), f"{server.name}: its other nodes "
                                 f"(NCCL and torch.distributed pick their ports at run time)", proto))
     for extra in settings.extra:
         out.append(Rule(str(extra.get("ports", "")), _networks(extra.get("sources") or ANY, "k31_firewall_extra"),
@@ -106,7 +105,7 @@ def _quote(text: str) -> str:
     return '"' + "".join(c for c in text if c.isprintable() and c not in '"\\')[:120] + '"'
 
 
-def nftables(plan: dict[str, Any], host: str, settings: Settings) -> str:
+def nftables(plan: Plan | dict[str, Any], host: str, settings: Settings) -> str:
     lines = [
         f"# k31 firewall of {host}, from the plan's ports (k31 plan); rendered by k31, replaced on each deploy.",
         "table inet k31",
@@ -132,7 +131,7 @@ def nftables(plan: dict[str, Any], host: str, settings: Settings) -> str:
     return "\n".join(lines) + "\n"
 
 
-def firewalld(plan: dict[str, Any], host: str, settings: Settings) -> list[str]:
+def firewalld(plan: Plan | dict[str, Any], host: str, settings: Settings) -> list[str]:
     """The same rules as firewalld rich rules (for the host's default zone)."""
     out = []
     for rule in rules(plan, host, settings):
@@ -143,7 +142,7 @@ def firewalld(plan: dict[str, Any], host: str, settings: Settings) -> list[str]:
     return out
 
 
-def ufw(plan: dict[str, Any], host: str, settings: Settings) -> list[str]:
+def ufw(plan: Plan | dict[str, Any], host: str, settings: Settings) -> list[str]:
     """The same rules as `ufw show added` prints them (what `ufw` takes after its name), each commented k31."""
     out = []
     for rule in rules(plan, host, settings):
@@ -163,8 +162,9 @@ def changes(desired: list[str], current: list[str], ours: list[str]) -> list[dic
     return add + remove
 
 
-def ruleset(plan: dict[str, Any], host: str, settings: Settings) -> dict[str, Any]:
+def ruleset(doc: Plan | dict[str, Any], host: str, settings: Settings) -> dict[str, Any]:
     """Everything a backend needs, and the table `--check` shows."""
+    plan = Plan.of(doc)
     found = rules(plan, host, settings)
     shown = [f"{(r.ports or 'all') + '/' + r.proto:<16} from {', '.join(r.sources):<32} {r.comment}" for r in found]
     return {"rules": [r.to_dict() for r in found], "shown": shown, "nft": nftables(plan, host, settings),

@@ -12,6 +12,7 @@ from typing import Any
 
 from k31deploy import address as addr
 from k31deploy.errors import K31Error
+from k31deploy.plan import Plan, Rank
 
 RUNTIMES = ("container", "venv", "standin")
 CONTAINER_CLIS = ("docker", "podman")
@@ -138,52 +139,53 @@ REQUEST_PORT_PICKER = "/usr/local/lib/k31/k31-request-port"
 REQUEST_PORT_ENV = "DYN_TCP_RPC_PORT"
 
 
-def start_env(rank: dict[str, Any]) -> list[str]:
+def start_env(doc: Rank | dict[str, Any]) -> list[str]:
     """Shell lines a rank's launch script runs to set what is chosen at each start: behind Dynamo, the
     request-plane port (DYN_TCP_RPC_PORT), the next free port of the plan's range after the one the
     previous start took. The frontend keeps a pooled TLS connection per worker address:port, and the first
     request it sends over it after the worker restarted on the same port fails (ai-dynamo 1.6.1
     lib/runtime/src/pipeline/network/egress/tcp_client.rs); a new port is a new pool."""
-    ports = rank.get("request_plane_ports")
-    if not ports:
+    rank = Rank.of(doc)
+    if not rank.request_plane_ports:
         return []
-    first, last = (int(p) for p in ports)
+    first, last = rank.request_plane_ports
     if not 1 <= first <= last <= 65535:
-        raise K31Error(f"{rank['unit']}: request_plane_ports {ports} is not valid; valid: [first, last] with "
-                       f"1 <= first <= last <= 65535")
-    pick = shlex.join([REQUEST_PORT_PICKER, rank["unit"], rank["address"], str(first), str(last)])
+        raise K31Error(f"{rank.unit}: request_plane_ports {list(rank.request_plane_ports)} is not valid; valid: "
+                       f"[first, last] with 1 <= first <= last <= 65535")
+    pick = shlex.join([REQUEST_PORT_PICKER, rank.unit, rank.address, str(first), str(last)])
     return [f'{REQUEST_PORT_ENV}="$({pick})"; export {REQUEST_PORT_ENV}']
 
 
-def start_env_names(rank: dict[str, Any]) -> list[str]:
-    return [REQUEST_PORT_ENV] if rank.get("request_plane_ports") else []
+def start_env_names(rank: Rank) -> list[str]:
+    return [REQUEST_PORT_ENV] if rank.request_plane_ports else []
 
 
-def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, env_file: str,
+def engine_command(doc: Plan | dict[str, Any], rank_doc: Rank | dict[str, Any], runtime: str, *, env_file: str,
                    container_cli: str = "docker", venv: str = "/opt/k31/venv",
                    mounts: list[str] | None = None, extra_flags: list[str] | None = None,
                    image: str | None = None) -> list[str]:
     """The full command a rank's systemd unit runs; a container runs `image` (the pinned reference,
     pinned_image) or else the plan's image."""
-    argv = list(rank["argv"])
+    plan, rank = Plan.of(doc), Rank.of(rank_doc)
+    argv = list(rank.argv)
     if runtime not in RUNTIMES:
         raise K31Error(f"k31_engine_runtime={runtime} is not valid; valid choices: {', '.join(RUNTIMES)}")
     if runtime == "container":
         if container_cli not in CONTAINER_CLIS:
             raise K31Error(f"k31_engine_container_cli={container_cli} is not valid; valid choices: "
                            f"{', '.join(CONTAINER_CLIS)}")
-        image = image or plan.get("image")
+        image = image or plan.image
         if not image or str(image).startswith("<"):
             raise K31Error(f"image is {image}: set k31_image to the serving image before a deploy")
         volumes = [t for m in (mounts or []) for t in ("-v", m)]
         # Variables the launch script set (env_from_files, start_env) pass by name: the value stays out of argv.
-        passed = [t for name in [*(rank.get("env_from_files") or {}), *start_env_names(rank)] for t in ("-e", name)]
-        return [container_cli, "run", "--rm", "--name", rank["unit"],
-                *_container_flags(plan["container_flags"], container_cli), *(extra_flags or []),
+        passed = [t for name in [*rank.env_from_files, *start_env_names(rank)] for t in ("-e", name)]
+        return [container_cli, "run", "--rm", "--name", rank.unit,
+                *_container_flags(list(plan.container_flags), container_cli), *(extra_flags or []),
                 "--env-file", env_file, *passed, *volumes,
                 str(image), *argv]
     if argv[:2] != ["python3", "-m"]:
-        raise K31Error(f"{rank['unit']} runs {argv[0]}, which k31_engine_runtime={runtime} cannot start; "
+        raise K31Error(f"{rank.unit} runs {argv[0]}, which k31_engine_runtime={runtime} cannot start; "
                        f"use k31_engine_runtime=container")
     if runtime == "venv":
         return [f"{venv}/bin/python3", *argv[1:]]
@@ -193,31 +195,32 @@ def engine_command(plan: dict[str, Any], rank: dict[str, Any], runtime: str, *, 
     return [f"{venv}/bin/python3", "-m", module, *argv[3:]]
 
 
-def model_mounts(plan: dict[str, Any]) -> list[str]:
+def model_mounts(doc: Plan | dict[str, Any]) -> list[str]:
     """Local model and draft directories, mounted read-only at the same path in the container."""
-    knobs = plan.get("knobs", {})
-    paths = [knobs.get("model_path"), knobs.get("draft_model_path")]
+    plan = Plan.of(doc)
+    paths = [plan.knob("model_path"), plan.knob("draft_model_path")]
     return [f"{p}:{p}:ro" for p in paths if isinstance(p, str) and p.startswith("/")]
 
 
-def rank_mounts(plan: dict[str, Any], rank: dict[str, Any]) -> list[str]:
+def rank_mounts(doc: Plan | dict[str, Any], rank_doc: Rank | dict[str, Any]) -> list[str]:
     """Files a rank's container reads from its host, read-only at the same path: its key file (--config)
     and, behind Dynamo, the cluster CA's folder (its TLS certificate and key)."""
-    found = [rank["auth_file"]] if rank.get("auth_file") else []
-    if plan.get("pki") and (plan.get("router") or {}).get("kind") == "dynamo":
-        found.append(plan["pki"]["dir"])
+    plan, rank = Plan.of(doc), Rank.of(rank_doc)
+    found = [rank.auth_file] if rank.auth_file else []
+    if plan.pki and plan.router and plan.router.kind == "dynamo":
+        found.append(plan.pki.dir)
     return [f"{p}:{p}:ro" for p in found]
 
 
-def endpoint_address(plan: dict[str, Any]) -> tuple[str, int]:
+def endpoint_address(doc: Plan | dict[str, Any]) -> tuple[str, int]:
     """(address, port) clients use: the router's or Dynamo frontend's public address, else the first unified
     server's rank 0."""
-    router = plan.get("router")
-    if router:
-        return router["public_address"], router["port"]
-    for server in plan["servers"]:
-        if server["role"] == "unified":
-            return server["ranks"][0]["address"], server["port"]
+    plan = Plan.of(doc)
+    if plan.router:
+        return plan.router.public_address, plan.router.port
+    for server in plan.servers:
+        if server.role == "unified":
+            return server.ranks[0].address, server.port
     raise K31Error("the plan has neither a router nor a unified server to smoke; add a host to k31_router")
 
 
@@ -226,31 +229,33 @@ def http_url(address: str, port: int, scheme: str = "http") -> str:
     return addr.url(scheme, address, port, "/v1")
 
 
-def endpoint_scheme(plan: dict[str, Any]) -> str:
+def endpoint_scheme(doc: Plan | dict[str, Any]) -> str:
     """https behind the Dynamo frontend (it takes clients with a cluster-CA certificate) or with public_tls,
     else http."""
-    router = plan.get("router") or {}
-    return "https" if router.get("kind") == "dynamo" or router.get("tls") else "http"
+    router = Plan.of(doc).router
+    return "https" if router and (router.kind == "dynamo" or router.tls) else "http"
 
 
-def endpoint(plan: dict[str, Any]) -> str:
+def endpoint(doc: Plan | dict[str, Any]) -> str:
     """The OpenAI base URL clients use (see endpoint_address)."""
+    plan = Plan.of(doc)
     return http_url(*endpoint_address(plan), endpoint_scheme(plan))
 
 
-def metrics_targets(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def metrics_targets(doc: Plan | dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Prometheus file_sd groups: engines (rank 0 serves /metrics with --enable-metrics), the router's
     metrics listener, the Dynamo frontend's /metrics."""
-    engines = [{"targets": [addr.host_port(s["ranks"][0]["address"], s["port"])],
-                "labels": {"k31_server": s["name"], "k31_role": s["role"], "k31_strategy": s["strategy"]}}
-               for s in plan["servers"]]
+    plan = Plan.of(doc)
+    engines = [{"targets": [addr.host_port(s.ranks[0].address, s.port)],
+                "labels": {"k31_server": s.name, "k31_role": s.role, "k31_strategy": s.strategy}}
+               for s in plan.servers]
     files: dict[str, list[dict[str, Any]]] = {"k31-engines": engines}
-    router = plan.get("router")
+    router = plan.router
     if router:
-        port = router.get("metrics_port") or (router["port"] if router["kind"] == "dynamo" else None)
+        port = router.metrics_port or (router.port if router.kind == "dynamo" else None)
         if port:
-            files["k31-router"] = [{"targets": [addr.host_port(router["address"], port)],
-                                    "labels": {"k31_router": router["kind"]}}]
+            files["k31-router"] = [{"targets": [addr.host_port(router.address, port)],
+                                    "labels": {"k31_router": router.kind}}]
     return files
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -20,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from k31deploy.errors import K31Error
+from k31deploy.plan import Plan
 
 CA_DAYS = 3650
 CERT_DAYS = 397          # the CA/Browser ceiling; a redeploy renews ahead of it
@@ -151,13 +153,14 @@ def derived_secret(ca_key_pem: str, purpose: str) -> str:
     return hmac.new(key, f"k31:{purpose}".encode(), hashlib.sha256).hexdigest()
 
 
-def host_names(plan: dict, host: str) -> list[str]:
+def host_names(doc: Plan | dict[str, Any], host: str) -> list[str]:
     """The subject alternative names of `host`'s certificate: every address the plan gives the host
     (cluster; public on the router host), its inventory name, and loopback for local clients."""
-    found = [r["address"] for s in plan["servers"] for r in s["ranks"] if r["host"] == host]
-    for other in (plan.get("router"), plan.get("mooncake_master")):
-        if other and other["host"] == host:
-            found += [other["address"], other.get("public_address") or other["address"]]
+    plan = Plan.of(doc)
+    found = [rank.address for _, rank in plan.placed(host)]
+    for other in (plan.router, plan.mooncake_master):
+        if other and other.host == host:
+            found += [other.address, other.public_address]
     return list(dict.fromkeys([*found, host, "127.0.0.1", "::1"]))
 
 

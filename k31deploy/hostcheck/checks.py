@@ -15,7 +15,8 @@ from typing import Any
 
 from k31deploy import memory
 from k31deploy.errors import K31Error
-from k31deploy.hostcheck import gpu, mnnvl, rdma, system
+from k31deploy.hostcheck import gpu, rdma, system
+from k31deploy.plan import Plan
 
 GB = 10**9
 # A GPU reports a little less than its HBM (firmware, ECC): an H200 141 GiB shows 143,771 MiB (99.6%).
@@ -74,12 +75,13 @@ def _gib(n: float | None) -> str:
 
 
 class _Host:
-    def __init__(self, plan: dict[str, Any], host: str, probes: dict[str, system.Section], settings: Settings):
-        self.plan, self.host, self.p, self.s = plan, host, probes, settings
-        self.platform = plan["platform"]
-        self.spec = plan["hardware"]
-        self.family = self.spec["family"]
-        self.servers = [s for s in plan["servers"] if any(r["host"] == host for r in s["ranks"])]
+    def __init__(self, doc: dict[str, Any], host: str, probes: dict[str, system.Section], settings: Settings):
+        # the memory planner reads (and sizes) the plan's dict; everything else its typed reading
+        self.doc, self.plan = doc, Plan.of(doc)
+        self.host, self.p, self.s = host, probes, settings
+        self.platform, self.spec = self.plan.platform, self.plan.hardware
+        self.family = self.spec.family
+        self.servers = [s for s in self.plan.servers if host in s.hosts]
         self.records: list[dict[str, Any]] = []
         self.facts: dict[str, Any] = {}
 
@@ -129,9 +131,9 @@ class _Host:
         if not self.s.require_gpu:
             self.hardware_skip(names, "k31_preflight_require_gpu is false (a host without GPUs, e.g. the sandbox)")
             return
-        want = self.spec["gpus_per_node"]
+        want = self.spec.gpus_per_node
         token = GPU_NAME_TOKEN.get(self.platform)
-        expected_count = f"{want} GPUs per {self.spec['form']}"
+        expected_count = f"{want} GPUs per {self.spec.form}"
         probe = "nvidia-query" if self.family == "cuda" else "amd-static"
         sec = self.p.get(probe)
         if sec is None or not sec.ok:
@@ -182,7 +184,7 @@ class _Host:
 
     def _rocm(self) -> None:
         # The catalog says "ROCm 10" (seed: "Requires ROCm 10; the recipes have not run on ROCm 7 images").
-        runtime = self.spec["runtime"]
+        runtime = self.spec.runtime
         need = gpu.version_tuple(runtime.split()[-1])
         sec = self.p.get("amd-version")
         version = gpu.parse_amd_smi_version(sec.text).get("rocm") if sec is not None and sec.ok else None
@@ -207,8 +209,8 @@ class _Host:
         if not target or not self.servers:
             return None, "plan"
         draft = sizes.get("draft", {}).get("safetensors") or sizes.get("draft-source", {}).get("safetensors") or 0
-        lay = self.servers[0]["layout"]
-        weights = target / (lay["tp"] * lay["pp"]) + draft / lay["tp"]
+        lay = self.servers[0].layout
+        weights = target / (lay.tp * lay.pp) + draft / lay.tp
         return memory.Options(weights_gb_per_gpu=weights / GB), "the safetensors measured on this host"
 
     def host_memory(self) -> None:
@@ -217,11 +219,11 @@ class _Host:
         self.facts["mem_total_bytes"] = total
         options, source = self._options()
         try:
-            need = memory.host_memory_need(self.plan, self.host, options)
+            need = memory.host_memory_need(self.doc, self.host, options)
         except K31Error as exc:
             self.add("host_memory", "skip", _gib(total), "unknown", f"{exc} (k31_preflight_weights_gb_per_gpu)")
             return
-        tier = ", ".join(f"{s['name']} kv_offload={s.get('kv_offload', 'none')}" for s in self.servers)
+        tier = ", ".join(f"{s.name} kv_offload={s.kv_offload}" for s in self.servers)
         expected = f">= {_gib(need)} ({tier}: HiCache pinned pools + 10 GiB, weights from {source})"
         if total is None:
             self.add("host_memory", "fail", self.said("meminfo"), expected)
@@ -234,7 +236,8 @@ class _Host:
     def _gtt(self, options: memory.Options | None) -> None:
         pinned = 0
         for server in self.servers:
-            section = server.get("memory") if options is None else memory.server_memory(self.plan, server, options)
+            section = server.memory if options is None else memory.server_memory(
+                self.doc, next(s for s in self.doc["servers"] if s["name"] == server.name), options)
             pinned = max(pinned, (section or {}).get("host_pinned_bytes_per_gpu") or 0)
         expected = f">= {_gib(pinned)} per GPU (HiCache pools are GTT memory on ROCm, seed On AMD MI355X)"
         if not self.s.require_gpu:
@@ -251,8 +254,7 @@ class _Host:
                  "SGLANG_HICACHE_MAMBA_HOST_RATIO")
 
     def disk(self) -> None:
-        knobs = self.plan.get("knobs", {})
-        dirs = [p for p in (knobs.get("model_path"), knobs.get("draft_model_path")) if isinstance(p, str)]
+        dirs = [p for p in (self.plan.knob("model_path"), self.plan.knob("draft_model_path")) if isinstance(p, str)]
         if not dirs or not all(p.startswith("/") for p in dirs):
             self.add("disk", "skip", ", ".join(dirs) or "no model_path", "a local directory",
                      "model_path is not a local directory; set k31_model_path to where k31_model stages it")
@@ -291,8 +293,8 @@ class _Host:
         self.facts["rdma_ports"] = [p.to_dict() for p in ports]
         required = self.s.require_rdma
         if required is None:
-            spans = self.plan["topology"] == "pd" or any(s["layout"]["nnodes"] > 1 for s in self.servers)
-            required = self.s.require_gpu and spans and not mnnvl.nvl72(self.plan)
+            spans = self.plan.topology == "pd" or any(s.layout.nnodes > 1 for s in self.servers)
+            required = self.s.require_gpu and spans and not self.spec.nvl72
         why = ("the plan moves KV or tensors between nodes (PD or multi-node) over RDMA" if required
                else "not required here (k31_preflight_require_rdma sets it)")
         found = ", ".join(f"{p.name} {p.state}" for p in ports) or "no RDMA devices"
@@ -322,7 +324,7 @@ class _Host:
             self.add("memlock", "fail", found, "unlimited", "this session cannot raise rlimits (no CAP_SYS_RESOURCE)")
 
     def imex(self) -> None:
-        if not mnnvl.nvl72(self.plan):
+        if not self.spec.nvl72:
             return
         if not self.s.require_gpu:
             self.add("imex_channel", "skip", "not checked", "/dev/nvidia-caps-imex-channels/channel0",

@@ -6,20 +6,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-
-def nvl72(plan: dict[str, Any]) -> bool:
-    return bool(plan["hardware"]["nvl72"])
+from k31deploy.plan import Plan
 
 
-def domain_hosts(plan: dict[str, Any]) -> list[str]:
+def domain_hosts(doc: Plan | dict[str, Any]) -> list[str]:
     """The engine hosts of an NVL72 plan, in plan order: one IMEX domain (the inventory's trays are assumed
     to share one NVLink domain; empty for other platforms)."""
-    if not nvl72(plan):
-        return []
-    hosts: list[str] = []
-    for server in plan["servers"]:
-        hosts += [r["host"] for r in server["ranks"] if r["host"] not in hosts]
-    return hosts
+    plan = Plan.of(doc)
+    return plan.engine_hosts if plan.hardware.nvl72 else []
 
 
 def nodes_config(addresses: list[str]) -> str:

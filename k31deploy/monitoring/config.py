@@ -29,6 +29,7 @@ from k31deploy import address as addr
 from k31deploy.catalog import flag_registry
 from k31deploy.launch import metrics_targets
 from k31deploy.monitoring import dashboard, rules
+from k31deploy.plan import Monitoring, Plan
 
 # Where k31_monitoring puts its files on the monitoring host (root:prometheus, 0750/0640: the Debian units
 # run as user prometheus).
@@ -67,38 +68,37 @@ def _tls(server_name: str | None = None) -> dict[str, Any]:
     return tls
 
 
-def monitoring_of(plan: dict[str, Any]) -> dict[str, Any]:
-    mon = plan.get("monitoring")
-    if not mon:
+def monitoring_of(plan: Plan) -> Monitoring:
+    if not plan.monitoring:
         raise ValueError("the plan has no monitoring section (monitoring=none)")
-    return mon
+    return plan.monitoring
 
 
-def health_targets(plan: dict[str, Any]) -> list[dict[str, Any]]:
+def health_targets(doc: Plan | dict[str, Any]) -> list[dict[str, Any]]:
     """Blackbox probe target groups: each server's rank-0 /health where its engine (or Dynamo worker) binds."""
-    return [{"targets": [addr.url("http", s["ranks"][0]["address"], s["port"], "/health")],
-             "labels": {"k31_server": s["name"], "k31_role": s["role"]}} for s in plan["servers"]]
+    return [{"targets": [addr.url("http", s.ranks[0].address, s.port, "/health")],
+             "labels": {"k31_server": s.name, "k31_role": s.role}} for s in Plan.of(doc).servers]
 
 
-def prometheus(plan: dict[str, Any], settings: Settings) -> dict[str, Any]:
+def prometheus(doc: Plan | dict[str, Any], settings: Settings) -> dict[str, Any]:
+    plan = Plan.of(doc)
     mon = monitoring_of(plan)
     scrape: list[dict[str, Any]] = [
         {"job_name": "k31-engine", "file_sd_configs": [{"files": [f"{SD_DIR}/k31-engines.json"]}]},
     ]
-    router = plan.get("router")
-    if router:
+    if plan.router:
         job: dict[str, Any] = {"job_name": "k31-router", "file_sd_configs": [{"files": [f"{SD_DIR}/k31-router.json"]}]}
-        if router["kind"] == "dynamo":    # the frontend's port is mutual TLS, /metrics included
+        if plan.router.kind == "dynamo":    # the frontend's port is mutual TLS, /metrics included
             job.update(scheme="https", tls_config=_tls())
         scrape.append(job)
-    master = plan.get("mooncake_master")
+    master = plan.mooncake_master
     if master:
         scrape.append({"job_name": "k31-mooncake", "static_configs": [
-            {"targets": [addr.host_port(master["address"], master["metrics_port"])],
-             "labels": {"k31_host": master["host"]}}]})
+            {"targets": [addr.host_port(master.address, master.metrics_port)],
+             "labels": {"k31_host": master.host}}]})
     scrape.append({"job_name": "k31-node", "scheme": "https", "tls_config": _tls(), "static_configs": [
-        {"targets": [addr.host_port(n["address"], mon["node_exporter_port"])], "labels": {"k31_host": n["host"]}}
-        for n in mon["nodes"]]})
+        {"targets": [addr.host_port(n.address, mon.node_exporter_port)], "labels": {"k31_host": n.host}}
+        for n in mon.nodes]})
     scrape.append({
         "job_name": "k31-health", "metrics_path": "/probe", "params": {"module": ["http_2xx"]},
         "file_sd_configs": [{"files": [f"{SD_DIR}/k31-health.json"]}],
@@ -106,20 +106,20 @@ def prometheus(plan: dict[str, Any], settings: Settings) -> dict[str, Any]:
         "relabel_configs": [
             {"source_labels": ["__address__"], "target_label": "__param_target"},
             {"source_labels": ["__param_target"], "target_label": "instance"},
-            {"target_label": "__address__", "replacement": addr.host_port("127.0.0.1", mon["blackbox_port"])},
+            {"target_label": "__address__", "replacement": addr.host_port("127.0.0.1", mon.blackbox_port)},
         ]})
     return {
         "global": {"scrape_interval": settings.scrape_interval, "evaluation_interval": settings.evaluation_interval,
-                   "external_labels": {"k31_monitor": mon["host"]}},
+                   "external_labels": {"k31_monitor": mon.host}},
         "rule_files": [f"{ETC}/rules/*.yml"],
         "alerting": {"alertmanagers": [{"scheme": "https", "tls_config": _tls(), "static_configs": [
-            {"targets": [addr.host_port(mon["address"], mon["alertmanager_port"])]}]}]},
+            {"targets": [addr.host_port(mon.address, mon.alertmanager_port)]}]}]},
         "scrape_configs": scrape,
     }
 
 
-def alertmanager(plan: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    monitoring_of(plan)
+def alertmanager(plan: Plan | dict[str, Any], settings: Settings) -> dict[str, Any]:
+    monitoring_of(Plan.of(plan))
     receivers = settings.receivers or [{"name": "k31-hold"}]    # no notifier: alerts wait in the API
     return {
         "route": {"receiver": receivers[0]["name"], "group_by": ["alertname", "k31_server"],
@@ -132,47 +132,47 @@ def alertmanager(plan: dict[str, Any], settings: Settings) -> dict[str, Any]:
     }
 
 
-def web(plan: dict[str, Any]) -> dict[str, Any]:
+def web(plan: Plan | dict[str, Any]) -> dict[str, Any]:
     """exporter-toolkit web config: TLS with the host's certificate, clients need one from the cluster CA."""
-    monitoring_of(plan)
+    monitoring_of(Plan.of(plan))
     return {"tls_server_config": {"cert_file": f"{TLS}/host.crt", "key_file": f"{TLS}/host.key",
                                   "client_ca_file": f"{TLS}/ca.crt",
                                   "client_auth_type": "RequireAndVerifyClientCert", "min_version": "TLS12"}}
 
 
-def blackbox(plan: dict[str, Any]) -> dict[str, Any]:
-    monitoring_of(plan)
+def blackbox(plan: Plan | dict[str, Any]) -> dict[str, Any]:
+    monitoring_of(Plan.of(plan))
     return {"modules": {"http_2xx": {"prober": "http", "timeout": "5s",
                                      "http": {"valid_status_codes": [200], "method": "GET",
                                               "preferred_ip_protocol": "ip4", "ip_protocol_fallback": True}}}}
 
 
-def service_args(plan: dict[str, Any], host: str, settings: Settings) -> dict[str, str]:
+def service_args(plan: Plan | dict[str, Any], host: str, settings: Settings) -> dict[str, str]:
     """ARGS of each Debian unit this host runs (its /etc/default/<package>): unit -> command-line arguments."""
-    mon = monitoring_of(plan)
-    node = next((n for n in mon["nodes"] if n["host"] == host), None)
+    mon = monitoring_of(Plan.of(plan))
+    node = next((n for n in mon.nodes if n.host == host), None)
     args: dict[str, list[str]] = {}
     if node is not None:
         args["prometheus-node-exporter"] = [
-            f"--web.listen-address={addr.host_port(node['address'], mon['node_exporter_port'])}",
+            f"--web.listen-address={addr.host_port(node.address, mon.node_exporter_port)}",
             f"--web.config.file={ETC}/web.yml", f"--collector.textfile.directory={TEXTFILE_DIR}"]
-    if host == mon["host"]:
+    if host == mon.host:
         args["prometheus"] = [
             f"--config.file={ETC}/prometheus.yml",
-            f"--web.listen-address={addr.host_port(mon['address'], mon['prometheus_port'])}",
+            f"--web.listen-address={addr.host_port(mon.address, mon.prometheus_port)}",
             f"--web.config.file={ETC}/web.yml",
             f"--web.console.templates={ETC}/consoles", f"--web.console.libraries={ETC}/console_libraries",
             "--storage.tsdb.path=/var/lib/prometheus/metrics2/",
             f"--storage.tsdb.retention.time={settings.retention}"]
         args["prometheus-alertmanager"] = [
             f"--config.file={ETC}/alertmanager.yml",
-            f"--web.listen-address={addr.host_port(mon['address'], mon['alertmanager_port'])}",
+            f"--web.listen-address={addr.host_port(mon.address, mon.alertmanager_port)}",
             f"--web.config.file={ETC}/web.yml",
             # one Alertmanager: no gossip listener (upstream opens 9094 on every interface by default)
             "--cluster.listen-address=", "--storage.path=/var/lib/prometheus/alertmanager/"]
         args["prometheus-blackbox-exporter"] = [
             f"--config.file={ETC}/blackbox.yml",
-            f"--web.listen-address={addr.host_port('127.0.0.1', mon['blackbox_port'])}"]
+            f"--web.listen-address={addr.host_port('127.0.0.1', mon.blackbox_port)}"]
     for unit, flags in args.items():    # every flag k31 emits is registered with its source (data/flags.yaml)
         known = flag_registry()[UNIT_FLAGS[unit]]
         unknown = [f for f in flags if f.split("=", 1)[0] not in known]
@@ -181,10 +181,13 @@ def service_args(plan: dict[str, Any], host: str, settings: Settings) -> dict[st
     return {unit: " ".join(flags) for unit, flags in args.items()}
 
 
-def api_url(plan: dict[str, Any], service: str) -> str:
+def api_url(plan: Plan | dict[str, Any], service: str) -> str:
     """Base URL of Prometheus (`prometheus`) or Alertmanager (`alertmanager`) on the cluster address."""
-    mon = monitoring_of(plan)
-    return addr.url("https", mon["address"], mon[f"{service}_port"])
+    mon = monitoring_of(Plan.of(plan))
+    ports = {"prometheus": mon.prometheus_port, "alertmanager": mon.alertmanager_port}
+    if service not in ports:
+        raise ValueError(f"monitoring service {service} is not valid; valid: {', '.join(ports)}")
+    return addr.url("https", mon.address, ports[service])
 
 
 def _yaml(doc: dict[str, Any]) -> str:
@@ -192,19 +195,20 @@ def _yaml(doc: dict[str, Any]) -> str:
         doc, sort_keys=False, default_flow_style=False, width=120)
 
 
-def files(plan: dict[str, Any], host: str, settings: Settings, rule_settings: dict[str, Any] | None = None,
+def files(doc: Plan | dict[str, Any], host: str, settings: Settings, rule_settings: dict[str, Any] | None = None,
           grafana_provisioning: bool = False) -> dict[str, str]:
     """Every file k31_monitoring writes on `host`: path -> content. Each unit the host runs gets its arguments
     (/etc/default/<unit>, where Debian's units read ARGS); nodes get their exporter's web config; the monitoring
     host also Prometheus', Alertmanager's and the blackbox exporter's configuration, the alert rules generated
     from the plan, the console pages and the Grafana dashboard."""
+    plan = Plan.of(doc)
     mon = monitoring_of(plan)
     out = {f"/etc/default/{unit}": "# Written by k31 (k31_monitoring) from the plan: listen on the cluster address, "
                                    f"k31's configuration.\nARGS=\"{args}\"\n"
            for unit, args in service_args(plan, host, settings).items()}
-    if any(n["host"] == host for n in mon["nodes"]) or host == mon["host"]:
+    if any(n.host == host for n in mon.nodes) or host == mon.host:
         out[f"{ETC}/web.yml"] = _yaml(web(plan))
-    if host != mon["host"]:
+    if host != mon.host:
         return out
     out[f"{ETC}/prometheus.yml"] = _yaml(prometheus(plan, settings))
     out[f"{ETC}/alertmanager.yml"] = _yaml(alertmanager(plan, settings))
@@ -227,12 +231,13 @@ def files(plan: dict[str, Any], host: str, settings: Settings, rule_settings: di
     return out
 
 
-def ready_urls(plan: dict[str, Any], host: str) -> list[str]:
+def ready_urls(doc: Plan | dict[str, Any], host: str) -> list[str]:
     """What the role waits for on `host` after a (re)start: its node exporter, and Prometheus' and
     Alertmanager's readiness on the monitoring host (the blackbox exporter answers only on loopback)."""
+    plan = Plan.of(doc)
     mon = monitoring_of(plan)
-    urls = [addr.url("https", n["address"], mon["node_exporter_port"], "/metrics")
-            for n in mon["nodes"] if n["host"] == host]
-    if host == mon["host"]:
+    urls = [addr.url("https", n.address, mon.node_exporter_port, "/metrics")
+            for n in mon.nodes if n.host == host]
+    if host == mon.host:
         urls += [f"{api_url(plan, 'prometheus')}/-/ready", f"{api_url(plan, 'alertmanager')}/-/ready"]
     return urls

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from k31deploy.monitoring.rules import router_worker_urls, rules
+from k31deploy.plan import Plan
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'k31_server=~"$k31_server"'
@@ -54,13 +55,14 @@ def _role_panels(role: str, recorded: set[str], sel: str) -> list[tuple[str, lis
     return panels
 
 
-def grafana_dashboard(plan: dict[str, Any], settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def grafana_dashboard(doc: Plan | dict[str, Any], settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Grafana dashboard JSON (schemaVersion 38) with `datasource` and `k31_server` template variables."""
+    plan = Plan.of(doc)
     recorded = {r["record"] for g in rules(plan, settings)["groups"] for r in g["rules"] if "record" in r}
-    roles = [r for r in ROLE_ORDER if any(s["role"] == r for s in plan["servers"])]
+    roles = [r for r in ROLE_ORDER if any(s.role == r for s in plan.servers)]
     panels: list[dict[str, Any]] = []
     pid, y = 1, 0
-    if plan.get("router"):
+    if plan.router:
         panels.append({"id": pid, "type": "row", "title": "Router", "collapsed": False, "panels": [],
                        "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
         pid, y = pid + 1, y + 1
@@ -79,8 +81,8 @@ def grafana_dashboard(plan: dict[str, Any], settings: dict[str, Any] | None = No
             pid += 1
         y += ((len(_role_panels(role, recorded, sel)) + 2) // 3) * 8
     return {
-        "title": f"k31 {plan['model']} ({plan['platform']}, {plan['topology']})",
-        "uid": f"k31-{plan['platform']}-{plan['topology']}",
+        "title": f"k31 {plan.model} ({plan.platform}, {plan.topology})",
+        "uid": f"k31-{plan.platform}-{plan.topology}",
         "tags": ["k31", "sglang"], "timezone": "browser", "editable": True, "schemaVersion": 38,
         "time": {"from": "now-6h", "to": "now"}, "refresh": "30s", "graphTooltip": 1,
         "templating": {"list": [

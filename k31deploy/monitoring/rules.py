@@ -47,6 +47,7 @@ from typing import Any
 import yaml
 
 from k31deploy.errors import K31Error
+from k31deploy.plan import Plan, Server
 
 # -- upstream metric names --------------------------------------------------------------------------------
 # SGLang: sgl-project/sglang python/sglang/srt/observability/metrics_collector.py (commit 44cedc2b; the same
@@ -122,18 +123,19 @@ def _settings(settings: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
-def ttft_threshold(server: dict[str, Any], settings: dict[str, Any]) -> float:
+def ttft_threshold(doc: Server | dict[str, Any], settings: dict[str, Any]) -> float:
     """K31TTFTHigh's p90 threshold for a server: the setting, else the seed's measurement for its interval."""
+    server = Server.of(doc)
     given = settings["ttft_p90_seconds"]
-    if isinstance(given, dict) and server["name"] in given:
-        given = given[server["name"]]
+    if isinstance(given, dict) and server.name in given:
+        given = given[server.name]
     if isinstance(given, int | float) and not isinstance(given, bool):
         if given <= 0:
             raise K31Error(f"monitoring setting ttft_p90_seconds is {given}; it takes a positive number")
         return float(given)
     if given is not None and not isinstance(given, dict):
         raise K31Error(f"monitoring setting ttft_p90_seconds is {given!r}; it takes a number or {{server: number}}")
-    interval = server["settings"]["prefill_decode_interval"]
+    interval = server.settings.prefill_decode_interval if server.settings else None
     return SEED_TTFT_P90[16] if interval is not None and int(interval) >= 16 else SEED_TTFT_P90[8]
 
 
@@ -146,19 +148,15 @@ def _alternatives(names: list[str]) -> str:
     return "|".join(_re2(n) for n in names)
 
 
-def router_worker_urls(plan: dict[str, Any]) -> dict[str, list[str]]:
-    """Worker URLs per role as the SGLang router was given them (its smg_worker_health `worker` label)."""
-    router = plan.get("router") or {}
-    if router.get("kind") != "sglang":
+def router_worker_urls(doc: Plan | dict[str, Any]) -> dict[str, list[str]]:
+    """Worker URLs per role as the SGLang router is given them (its smg_worker_health `worker` label): each
+    server's URL (recipe/argv.router_plan hands the router the same)."""
+    plan = Plan.of(doc)
+    if not plan.router or plan.router.kind != "sglang":
         return {}
-    roles = {"--prefill": "prefill", "--decode": "decode", "--worker-urls": "unified"}
     urls: dict[str, list[str]] = {}
-    role = None
-    for token in router.get("argv", []):
-        if token.startswith("--"):
-            role = roles.get(token)
-        elif role and token.startswith(("http://", "https://")):
-            urls.setdefault(role, []).append(token)
+    for server in plan.servers:
+        urls.setdefault(server.role, []).append(server.url)
     return urls
 
 
@@ -166,7 +164,7 @@ def _runbook(inv: str, *steps: str) -> str:
     return " ".join(f"{i}. {step}" for i, step in enumerate(steps, 1)).replace("INV", inv)
 
 
-def _recording(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
+def _recording(plan: Plan, s: dict[str, Any]) -> list[dict[str, Any]]:
     w = s["rate_window"]
     eng = 'job="k31-engine"'
     rules_: list[dict[str, Any]] = []
@@ -188,32 +186,32 @@ def _recording(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
     rec("k31:kv_pool_usage:max", f"max by ({SERVER_LABELS}) ({FULL_TOKEN_USAGE}{{{eng}}}) "
                                  f"or max by ({SERVER_LABELS}) ({TOKEN_USAGE}{{{eng}}})")
     rec("k31:state_pool_usage:max", f"max by ({SERVER_LABELS}) ({MAMBA_USAGE}{{{eng}}})")
-    offload = [x["name"] for x in plan["servers"] if x.get("kv_offload") in ("hicache", "mooncake")]
+    offload = [x.name for x in plan.servers if x.offloads_kv]
     if offload:
         sel = f'{eng}, k31_server=~"{_alternatives(offload)}"'
         rec("k31:hicache_host_pool_usage:max",
             f"max by ({SERVER_LABELS}) ({HICACHE_USED}{{{sel}}} / {HICACHE_TOTAL}{{{sel}}})")
-    if any(x["role"] in ("prefill", "decode") for x in plan["servers"]):
+    if any(x.role in ("prefill", "decode") for x in plan.servers):
         sel = f'{eng}, k31_role=~"prefill|decode"'
         rec("k31:transfer_failed_reqs:rate", f"sum by ({SERVER_LABELS}) (rate({TRANSFER_FAILED}{{{sel}}}[{w}]))")
         rec("k31:bootstrap_failed_reqs:rate", f"sum by ({SERVER_LABELS}) (rate({BOOTSTRAP_FAILED}{{{sel}}}[{w}]))")
-    for x in plan["servers"]:
-        ceiling = (x.get("memory") or {}).get("max_running_requests")
+    for x in plan.servers:
+        ceiling = x.memory.get("max_running_requests")
         if ceiling:
-            rec("k31:max_running_requests", f"vector({int(ceiling)})", {"k31_server": x["name"], "k31_role": x["role"]})
+            rec("k31:max_running_requests", f"vector({int(ceiling)})", {"k31_server": x.name, "k31_role": x.role})
     return rules_
 
 
-def _health_records(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
+def _health_records(plan: Plan, s: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for x in plan["servers"]:
-        name = x["name"]
+    for x in plan.servers:
+        name = x.name
         # Either view down is down; no series at all (target gone from the scrape) is down too.
         out.append({"record": "k31:server_up:min",
                     "expr": f'min(up{{job="k31-engine", k31_server="{name}"}} '
                             f'or probe_success{{job="k31-health", k31_server="{name}"}}) or vector(0)',
-                    "labels": {"k31_server": name, "k31_role": x["role"]}})
-    for role in sorted({x["role"] for x in plan["servers"]}):
+                    "labels": {"k31_server": name, "k31_role": x.role}})
+    for role in sorted({x.role for x in plan.servers}):
         out.append({"record": "k31:healthy_servers:count",
                     "expr": f'count(k31:server_up:min{{k31_role="{role}"}} == 1) or vector(0)',
                     "labels": {"k31_role": role}})
@@ -235,15 +233,15 @@ def _alert(name: str, expr: str, for_: str, severity: str, labels: dict[str, str
             "annotations": {"summary": summary, "description": description, "runbook": runbook}}
 
 
-def _alerts(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
+def _alerts(plan: Plan, s: dict[str, Any]) -> list[dict[str, Any]]:
     inv = s["inventory"]
-    servers = plan["servers"]
-    pd = any(x["role"] == "prefill" for x in servers) and any(x["role"] == "decode" for x in servers)
+    servers = plan.servers
+    pd = any(x.role == "prefill" for x in servers) and any(x.role == "decode" for x in servers)
     pd_note = (" If it is a decode: once it is healthy every prefill restarts (the PD rule: a prefill keeps the "
                "old decode's Mooncake mapping); check they did (K31PrefillNotRestartedAfterDecode).") if pd else ""
     out: list[dict[str, Any]] = []
     for x in servers:
-        name, role = x["name"], x["role"]
+        name, role = x.name, x.role
         who = {"k31_server": name, "k31_role": role}
         sel = f'k31_server="{name}"'
         out.append(_alert(
@@ -265,7 +263,7 @@ def _alerts(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
             _runbook(inv, f"k31 logs -i INV {name}: why the process died (OOM, NCCL/RCCL, a signal).",
                      f"k31 status -i INV: RESTARTS of {name}'s ranks; a count that keeps growing is a crash loop."
                      + pd_note)))
-        ceiling = (x.get("memory") or {}).get("max_running_requests")
+        ceiling = x.memory.get("max_running_requests")
         if ceiling:
             out.append(_alert(
                 "K31AgentCeiling",
@@ -291,7 +289,7 @@ def _alerts(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
                      "retractions.")))
         pools = [("K31KVPoolFull", "k31:kv_pool_usage:max", "KV token pool"),
                  ("K31StatePoolFull", "k31:state_pool_usage:max", "KDA state (mamba) pool")]
-        if x.get("kv_offload") in ("hicache", "mooncake"):
+        if x.offloads_kv:
             pools.append(("K31HiCacheHostPoolFull", "k31:hicache_host_pool_usage:max", "HiCache host pool"))
         for alert, record, pool in pools:
             out.append(_alert(
@@ -303,18 +301,18 @@ def _alerts(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
                 _runbook(inv, f"k31 logs -i INV {name}: look for retractions and KV/state allocation failures.",
                          "Compare running requests with the plan's ceiling (k31 plan -i INV); a sustained full pool "
                          "needs fewer agents per server or the next layout.")))
-    router = plan.get("router")
+    router = plan.router
     if router:
         urls = router_worker_urls(plan)
-        for role in sorted({x["role"] for x in servers}):
-            members = [x["name"] for x in servers if x["role"] == role]
+        for role in sorted({x.role for x in servers}):
+            members = [x.name for x in servers if x.role == role]
             labels = {"k31_role": role, **({"k31_server": members[0]} if len(members) == 1 else {})}
             expr = f'k31:healthy_servers:count{{k31_role="{role}"}} == 0'
             if role in urls:
                 expr = f'(k31:router_healthy_workers:sum{{k31_role="{role}"}} == 0) or ({expr})'
             out.append(_alert(
                 "K31RouterNoHealthyWorker", expr, s["no_worker_for"], "page", labels,
-                f"no healthy {role} server behind the {router['kind']} router",
+                f"no healthy {role} server behind the {router.kind} router",
                 f"Every {role} server ({', '.join(members)}) has been unhealthy"
                 + (" or out of the router's healthy set" if role in urls else "")
                 + f" for {s['no_worker_for']}: requests needing a {role} fail.",
@@ -323,9 +321,9 @@ def _alerts(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
                          f"k31 redeploy -i INV {' '.join(members)}." + pd_note)))
     if pd:
         for x in servers:
-            if x["role"] != "prefill":
+            if x.role != "prefill":
                 continue
-            name = x["name"]
+            name = x.name
             out.append(_alert(
                 "K31PrefillNotRestartedAfterDecode",
                 f'(k31:unit_start_time_seconds:min{{k31_server="{name}"}} < on() group_left() '
@@ -342,8 +340,9 @@ def _alerts(plan: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def rules(plan: dict[str, Any], settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def rules(doc: Plan | dict[str, Any], settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """The Prometheus rule file (recording rules `k31:*`, alerts `K31*`) for `plan`; see the module doc."""
+    plan = Plan.of(doc)
     s = _settings(settings)
     return {"groups": [
         {"name": "k31-engine-records", "rules": _recording(plan, s)},
@@ -352,12 +351,12 @@ def rules(plan: dict[str, Any], settings: dict[str, Any] | None = None) -> dict[
     ]}
 
 
-def rules_yaml(plan: dict[str, Any], settings: dict[str, Any] | None = None) -> str:
+def rules_yaml(plan: Plan | dict[str, Any], settings: dict[str, Any] | None = None) -> str:
     header = "# Generated by k31deploy.monitoring.rules from the resolved plan; do not edit.\n"
     return header + yaml.safe_dump(rules(plan, settings), sort_keys=False, width=1000)
 
 
-def write_rules(plan: dict[str, Any], path: str | Path, settings: dict[str, Any] | None = None) -> Path:
+def write_rules(plan: Plan | dict[str, Any], path: str | Path, settings: dict[str, Any] | None = None) -> Path:
     """Write the rule file (0644: it holds no secret) and return its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -366,7 +365,7 @@ def write_rules(plan: dict[str, Any], path: str | Path, settings: dict[str, Any]
     return path
 
 
-def alert_catalog(plan: dict[str, Any], settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def alert_catalog(plan: Plan | dict[str, Any], settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per alert name (README table): name, severity, for, summary, runbook of its first rule."""
     seen: dict[str, dict[str, Any]] = {}
     for rule in rules(plan, settings)["groups"][2]["rules"]:

@@ -3,16 +3,18 @@ frozen, typed, and free of rules. The resolver decides every value here; argv.py
 flags and env vars, and the engine settings below also go into the plan (`servers[].settings`), where
 the memory planner and the monitoring rules read them instead of parsing argv back.
 
-Layer: recipe model (docs/architecture.md); imports the catalog and recipe.hosts (Host) only.
+Layer: recipe model (docs/architecture.md); imports the catalog, recipe.hosts (Host) and plan (EngineSettings,
+the plan's record of a server's settings) only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from k31deploy.catalog import catalog
+from k31deploy.plan import EngineSettings
 from k31deploy.recipe.hosts import Host
 
 
@@ -68,28 +70,6 @@ class Setup:
     @property
     def nvl72(self) -> bool:
         return bool(self.platform_info.get("nvl72"))
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """The numbers and switches of one server's engine command that size its memory and schedule it, as
-    its ranks' argv and env carry them: None where k31 emits nothing (the engine's own default)."""
-
-    mem_fraction_static: float | None          # --mem-fraction-static
-    max_running_requests: int | None           # --max-running-requests
-    cuda_graph_max_bs_decode: int | None       # --cuda-graph-max-bs-decode
-    max_mamba_cache_size: int | None           # --max-mamba-cache-size (knob kda_state_slots)
-    mamba_full_memory_ratio: float | None      # --mamba-full-memory-ratio
-    radix_cache: bool                          # the radix cache runs (a PD decode: only with its decode flag)
-    hicache_ratio: float | None                # --hicache-ratio
-    hicache_mamba_host_ratio: float | None     # SGLANG_HICACHE_MAMBA_HOST_RATIO
-    rocm_runtime_reserve_gb: float | None      # SGLANG_ROCM_RUNTIME_RESERVE_GB
-    megamoe_token_cap: int | None              # SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK
-    mooncake_segment_bytes: int | None         # MOONCAKE_GLOBAL_SEGMENT_SIZE, in bytes
-    prefill_decode_interval: int | None        # --prefill-decode-interval
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,13 @@ from k31deploy.engine import cli as engine_cli
 from k31deploy.engine import lane
 from k31deploy.errors import K31Error
 from k31deploy.memory import Options, annotate_plan
+from k31deploy.plan import EngineSettings
 from k31deploy.recipe import hosts as hostlib
 from k31deploy.recipe import model, ports
 from k31deploy.recipe.argv import DYNAMO_PARSER_WARNING, EngineArgv, dist_init_port, router_plan
 from k31deploy.recipe.hosts import Host
 from k31deploy.recipe.knobs import normalise
-from k31deploy.recipe.model import EngineSettings, ServerSpec, Setup
+from k31deploy.recipe.model import ServerSpec, Setup
 
 VERIFICATION_TEXT = {
     "verified": "Verified",

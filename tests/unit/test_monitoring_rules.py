@@ -392,3 +392,19 @@ def test_the_readme_lists_every_alert_with_its_severity(case):
             rows[name.strip()] = cells[1]
     for alert in monitoring.alert_catalog(plan):
         assert rows.get(alert["name"]) == alert["severity"], alert["name"]
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_router_worker_urls_are_the_urls_the_router_is_given(name):
+    """The rules name each worker as the SGLang router's `worker` label does: the URL after --prefill,
+    --decode or --worker-urls in its argv. The rules build them from the servers; this reads the argv."""
+    plan = resolve_plan(**PLANS[name])
+    router = plan["router"]
+    given: dict[str, list[str]] = {}
+    if router and router["kind"] == "sglang":
+        roles, role = {"--prefill": "prefill", "--decode": "decode", "--worker-urls": "unified"}, None
+        for token in router["argv"]:
+            role = roles.get(token, role if not token.startswith("--") else None)
+            if role and token.startswith("http"):
+                given.setdefault(role, []).append(token)
+    assert monitoring.router_worker_urls(plan) == given

@@ -13,6 +13,7 @@ import threading
 import paramiko
 import pytest
 from loopback import free_port
+from recipe_helpers import plan as resolve_plan
 
 from k31deploy.commands import smoke as smoke_cmd
 from k31deploy.errors import K31Error
@@ -261,7 +262,7 @@ def test_endpoint_is_the_router_else_the_first_unified_server_rank_0(tmp_path, m
     with pytest.raises(K31Error, match="needs -i INVENTORY"):
         k31(["smoke"])
     with pytest.raises(K31Error, match="neither a router nor a unified server"):
-        endpoint_address({"router": None, "servers": [{"role": "prefill"}]})
+        endpoint_address({**resolve_plan(platform="mi355x", agents=92), "router": None})    # PD: no unified server
 
 
 @pytest.mark.parametrize(("detail", "hint"), [("Connection error. ConnectError: refused", True),
