@@ -4,6 +4,7 @@ each host, and the answers are folded into one report against the resolved plan.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from collections.abc import Callable
@@ -15,7 +16,8 @@ from k31deploy import address
 from k31deploy.errors import K31Error
 from k31deploy.monitoring.config import api_url
 from k31deploy.oncall import recover
-from k31deploy.oncall.rollout import http, router_auth, router_url, worker_url
+from k31deploy.oncall.rollout import http, router_auth, router_url, server_step
+from k31deploy.plan import Plan, Rank
 from k31deploy.runner import driver
 
 PROBE = Path(__file__).with_name("probe.py")
@@ -24,45 +26,63 @@ TASK_TIMEOUT_S = 20
 Runner = Callable[[list[str], str, list[str], bool], dict[str, dict[str, Any]]]
 
 
-def plan_hosts(plan: dict[str, Any]) -> list[str]:
-    hosts = [r["host"] for s in plan["servers"] for r in s["ranks"]]
-    if plan.get("router"):
-        hosts.append(plan["router"]["host"])
-    if plan.get("monitoring"):
-        hosts.append(plan["monitoring"]["host"])
+def plan_hosts(doc: Plan | dict[str, Any]) -> list[str]:
+    plan = Plan.of(doc)
+    hosts = plan.engine_hosts + [other.host for other in (plan.router, plan.monitoring) if other]
     return list(dict.fromkeys(hosts))
 
 
-def alerts_spec(plan: dict[str, Any]) -> dict[str, Any] | None:
+def _pki(plan: Plan) -> dict[str, str]:
+    if not plan.pki:
+        raise K31Error("the plan names no cluster CA (pki) for a control plane that authenticates by certificate")
+    return {"dir": plan.pki.dir, "ca": plan.pki.ca, "cert": plan.pki.cert, "key": plan.pki.key}
+
+
+def alerts_spec(plan: Plan) -> dict[str, Any] | None:
     """Where the probe on the monitoring host reads Alertmanager's alerts (with that host's certificate)."""
-    if not plan.get("monitoring"):
+    if not plan.monitoring:
         return None
-    return {"url": f"{api_url(plan, 'alertmanager')}/api/v2/alerts", "auth": dict(plan["pki"])}
+    return {"url": f"{api_url(plan, 'alertmanager')}/api/v2/alerts", "auth": _pki(plan)}
 
 
-def host_specs(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def host_specs(doc: Plan | dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per host: the planned units and the URLs to probe for each, on the address each unit binds (where
     the gates probe): an engine's cluster address, the router's public one."""
+    plan = Plan.of(doc)
     specs: dict[str, dict[str, Any]] = {h: {"units": {}} for h in plan_hosts(plan)}
-    for server in plan["servers"]:
-        for rank in server["ranks"]:
-            specs[rank["host"]]["units"][rank["unit"]] = {"health": http(rank["address"], server["port"], "/health")}
-    router = plan.get("router")
+    for server in plan.servers:
+        for rank in server.ranks:
+            specs[rank.host]["units"][rank.unit] = {"health": http(rank.address, server.port, "/health")}
+    router = plan.router
     if router:
-        if router["kind"] == "sglang":    # its worker API wants the control-plane key, in its own env file
+        if router.kind == "sglang":    # its worker API wants the control-plane key, in its own env file
             base = router_url(router)
-            urls = {"readiness": f"{base}/readiness", "workers": f"{base}/workers", "auth": router_auth(router)}
+            urls = {"readiness": f"{base}/readiness", "workers": f"{base}/workers", "auth": router_auth(router.unit)}
         else:    # the Dynamo frontend takes clients with a cluster-CA certificate: the host's own
-            base = address.url("https", router["public_address"], router["port"])
-            urls = {"models": f"{base}/v1/models", "auth": dict(plan["pki"])}
-        if router.get("tls"):    # the site's certificate, for the name clients use
+            base = address.url("https", router.public_address, router.port)
+            urls = {"models": f"{base}/v1/models", "auth": _pki(plan)}
+        if router.tls:    # the site's certificate, for the name clients use
             urls["auth"]["own_tls"] = True
-        specs[router["host"]]["units"][router["unit"]] = urls
+        specs[router.host]["units"][router.unit] = urls
     where = alerts_spec(plan)
-    if where:
-        specs[plan["monitoring"]["host"]]["alerts"] = where
+    if where and plan.monitoring:
+        specs[plan.monitoring.host]["alerts"] = where
     specs[recover.lock_host(plan)]["lock"] = True
     return specs
+
+
+def repair_spec(doc: Plan | dict[str, Any]) -> dict[str, Any]:
+    """Where the repair (roles/k31_redeploy) looks: the lock host, the probe (k31 status's own; its sha256, which a
+    host's installed copy must have to be run instead) and its argument for each host, one rollout-style step per
+    server (drain, restart and re-add use the same fields), and the prefill hosts whose watchers it holds."""
+    plan = Plan.of(doc)
+    specs = host_specs(plan)
+    return {"lock_host": recover.lock_host(plan), "probe": str(PROBE),
+            "probe_sha256": hashlib.sha256(PROBE.read_bytes()).hexdigest(),
+            "probe_args": {h: json.dumps({"mode": "status", "common": {}, "hosts": {h: spec}})
+                           for h, spec in specs.items()},
+            "hosts": list(specs), "steps": {s.name: server_step(s, "repair") for s in plan.servers},
+            "prefill_hosts": sorted({h for s in plan.servers if s.role == "prefill" for h in s.hosts})}
 
 
 def probe_source(spec: dict[str, Any]) -> str:
@@ -100,57 +120,58 @@ def ansible_probe(inventory: list[str], source: str, hosts: list[str], become: b
     return results
 
 
-def _rank_row(server: dict[str, Any], rank: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    row: dict[str, Any] = {"host": rank["host"], "node_rank": rank["node_rank"], "unit": rank["unit"]}
+def _rank_row(rank: Rank, answer: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"host": rank.host, "node_rank": rank.node_rank, "unit": rank.unit}
     if "units" not in answer:
         row["reachable"] = False
         row["error"] = answer.get("unreachable") or answer.get("failed")
         return row
     row["reachable"] = True
-    row.update({k: v for k, v in answer["units"].get(rank["unit"], {"active": "absent"}).items() if k != "unit"})
+    row.update({k: v for k, v in answer["units"].get(rank.unit, {"active": "absent"}).items() if k != "unit"})
     return row
 
 
-def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def build_status(doc: Plan | dict[str, Any], answers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The report: servers with their ranks, the router, every other k31 process, and the problems."""
+    plan = Plan.of(doc)
     problems: list[str] = []
     for host, answer in answers.items():
         if "units" not in answer:
             problems.append(f"{host}: {'unreachable' if 'unreachable' in answer else 'probe failed'}: "
                             f"{answer.get('unreachable') or answer.get('failed')}")
-    router = plan.get("router")
+    router = plan.router
     router_doc = None
     listed: set[str] | None = None
     if router:
-        answer = answers.get(router["host"], {})
-        unit = dict(answer.get("units", {}).get(router["unit"], {"active": "unknown" if "units" not in answer
-                                                                  else "absent"}))
-        router_doc = {"kind": router["kind"], "host": router["host"], "port": router["port"], **unit}
+        answer = answers.get(router.host, {})
+        unit = dict(answer.get("units", {}).get(router.unit, {"active": "unknown" if "units" not in answer
+                                                              else "absent"}))
+        router_doc = {"kind": router.kind, "host": router.host, "port": router.port, **unit}
         if "units" in answer:
             if unit.get("active") != "active":
-                problems.append(f"{router['unit']} on {router['host']}: {unit.get('active')}/{unit.get('sub', '-')}")
-            if router["kind"] == "sglang":
+                problems.append(f"{router.unit} on {router.host}: {unit.get('active')}/{unit.get('sub', '-')}")
+            if router.kind == "sglang":
                 if unit.get("readiness") != 200:
                     problems.append(f"router /readiness answers {unit.get('readiness')}")
                 if isinstance(unit.get("workers"), list):
                     listed = {w["url"] for w in unit["workers"] if w.get("healthy") is not False}
-            elif plan["model"] not in (unit.get("models") or []):
-                problems.append(f"the Dynamo frontend does not list {plan['model']}")
+            elif plan.model not in (unit.get("models") or []):
+                problems.append(f"the Dynamo frontend does not list {plan.model}")
     servers = []
-    for server in plan["servers"]:
-        ranks = [_rank_row(server, r, answers.get(r["host"], {})) for r in server["ranks"]]
-        doc = {"name": server["name"], "role": server["role"], "port": server["port"],
-               "health": ranks[0].get("health"), "ranks": ranks,
-               "in_router": (worker_url(server) in listed) if listed is not None else None}
+    for server in plan.servers:
+        ranks = [_rank_row(r, answers.get(r.host, {})) for r in server.ranks]
+        entry = {"name": server.name, "role": server.role, "port": server.port,
+                 "health": ranks[0].get("health"), "ranks": ranks,
+                 "in_router": (server.url in listed) if listed is not None else None}
         for row in ranks:
             if row["reachable"] and row.get("active") != "active":
                 problems.append(f"{row['unit']} on {row['host']}: {row.get('active')}/{row.get('sub', '-')}")
-        if ranks[0]["reachable"] and doc["health"] != 200:
-            problems.append(f"{server['name']}: rank 0 /health answers {doc['health']}")
-        if doc["in_router"] is False and not (ranks[0].get("health") == 200
-                                              and all(r.get("active") == "active" for r in ranks)):
-            problems.append(f"{server['name']}: not in the router's healthy workers")
-        servers.append(doc)
+        if ranks[0]["reachable"] and entry["health"] != 200:
+            problems.append(f"{server.name}: rank 0 /health answers {entry['health']}")
+        if entry["in_router"] is False and not (ranks[0].get("health") == 200
+                                                and all(r.get("active") == "active" for r in ranks)):
+            problems.append(f"{server.name}: not in the router's healthy workers")
+        servers.append(entry)
     # What an interrupted redeploy leaves: healthy servers out of the router, held watchers (and the lock).
     lock_answer = answers.get(recover.lock_host(plan), {})
     verdict = recover.lock_verdict(lock_answer.get("redeploy_lock"), recover.lock_host(plan))
@@ -162,9 +183,9 @@ def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> di
         if a["state"] == "active":
             problems.append(f"alert {a['alert']} ({a['severity']}) firing"
                             + (f" for {a['server']}" if a["server"] else "") + f": {a['summary']}")
-    for doc in servers:
-        doc["alerts"] = [a["alert"] for a in alert_list if a["server"] == doc["name"] and a["state"] == "active"]
-    planned = {r["unit"] for s in plan["servers"] for r in s["ranks"]} | ({router["unit"]} if router else set())
+    for entry in servers:
+        entry["alerts"] = [a["alert"] for a in alert_list if a["server"] == entry["name"] and a["state"] == "active"]
+    planned = {r.unit for s in plan.servers for r in s.ranks} | ({router.unit} if router else set())
     processes = []
     for host, answer in sorted(answers.items(), key=lambda item: plan_hosts(plan).index(item[0])):
         for unit, info in answer.get("units", {}).items():
@@ -179,7 +200,7 @@ def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> di
                 if info.get("active") not in ("active", "inactive") or info.get("load") == "not-found":
                     problems.append(f"{unit} on {host}: {info.get('active')}/{info.get('sub', '-')}")
                 processes.append(row)
-    return {"model": plan["model"], "topology": plan["topology"],
+    return {"model": plan.model, "topology": plan.topology,
             "generated": datetime.now().isoformat(timespec="seconds"),
             "servers": servers, "router": router_doc, "processes": processes, "alerts": alert_list,
             "redeploy": {"lock": verdict["state"] if "redeploy_lock" in lock_answer else "unknown",
@@ -190,11 +211,11 @@ def build_status(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> di
             "problems": problems}
 
 
-def _alerts(plan: dict[str, Any], answers: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+def _alerts(plan: Plan, answers: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
     """Alertmanager's alerts as the monitoring host's probe read them; (alerts, why unknown)."""
-    if not plan.get("monitoring"):
+    if not plan.monitoring:
         return [], None
-    answer = answers.get(plan["monitoring"]["host"], {})
+    answer = answers.get(plan.monitoring.host, {})
     if "units" not in answer and "alerts" not in answer:
         return [], None    # the host itself is reported unreachable
     found = answer.get("alerts") or {"error": "the probe read no alerts"}
@@ -264,14 +285,15 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def alerts(plan: dict[str, Any], inventory: list[str], become: bool = True,
+def alerts(doc: Plan | dict[str, Any], inventory: list[str], become: bool = True,
            runner: Runner = ansible_probe) -> dict[str, Any]:
     """`k31 alerts`: Alertmanager's alerts, read on the monitoring host."""
+    plan = Plan.of(doc)
     where = alerts_spec(plan)
-    if where is None:
+    if where is None or not plan.monitoring:
         raise K31Error("monitoring=none: this plan deploys no Alertmanager to read alerts from; deploy with "
                        "monitoring=prometheus, or ask the site's own Alertmanager")
-    host = plan["monitoring"]["host"]
+    host = plan.monitoring.host
     spec = {"mode": "alerts", "common": {}, "hosts": {host: {"alerts": where}}}
     answer = runner(inventory, probe_source(spec), [host], become).get(host, {})
     if "alerts" not in answer:
@@ -293,36 +315,37 @@ def render_alerts(doc: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
-def collect(plan: dict[str, Any], inventory: list[str], become: bool = True,
+def collect(plan: Plan | dict[str, Any], inventory: list[str], become: bool = True,
             runner: Runner = ansible_probe) -> dict[str, dict[str, Any]]:
     """Every plan host's probe answer (what build_status and recover.decide read)."""
     spec = {"mode": "status", "common": {}, "hosts": host_specs(plan)}
     return runner(inventory, probe_source(spec), plan_hosts(plan), become)
 
 
-def status(plan: dict[str, Any], inventory: list[str], become: bool = True,
+def status(plan: Plan | dict[str, Any], inventory: list[str], become: bool = True,
            runner: Runner = ansible_probe) -> dict[str, Any]:
     return build_status(plan, collect(plan, inventory, become, runner))
 
 
-def log_units(plan: dict[str, Any], server: str | None) -> dict[str, list[str]] | None:
+def log_units(doc: Plan | dict[str, Any], server: str | None) -> dict[str, list[str]] | None:
     """{host: units} for one server (or 'router'); None for every k31 unit of every host."""
     if server is None:
         return None
-    for s in plan["servers"]:
-        if s["name"] == server:
+    plan = Plan.of(doc)
+    for s in plan.servers:
+        if s.name == server:
             out: dict[str, list[str]] = {}
-            for r in s["ranks"]:
-                out.setdefault(r["host"], []).append(r["unit"])
+            for r in s.ranks:
+                out.setdefault(r.host, []).append(r.unit)
             return out
-    router = plan.get("router")
+    router = plan.router
     if server == "router" and router:
-        return {router["host"]: [router["unit"]]}
-    valid = [s["name"] for s in plan["servers"]] + (["router"] if router else [])
+        return {router.host: [router.unit]}
+    valid = [s.name for s in plan.servers] + (["router"] if router else [])
     raise K31Error(f"server {server!r} is not in this inventory's plan; valid choices: {', '.join(valid)}")
 
 
-def logs(plan: dict[str, Any], inventory: list[str], server: str | None, lines: int, dest: Path,
+def logs(plan: Plan | dict[str, Any], inventory: list[str], server: str | None, lines: int, dest: Path,
          become: bool = True, runner: Runner = ansible_probe) -> dict[str, Any]:
     """Fetch the journal of each unit into `dest` (one file per unit); returns what was written and missed."""
     wanted = log_units(plan, server)

@@ -33,7 +33,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from k31deploy.oncall.rollout import gate_args, idle_spec, worker_url
+from k31deploy.oncall.rollout import gate_args, idle_spec
+from k31deploy.plan import Plan
 
 LOCK_PATH = "/run/k31/redeploy.lock"
 HOLD_PATH = "/run/k31/pd-follow.hold"
@@ -42,10 +43,10 @@ HOLD_PATH = "/run/k31/pd-follow.hold"
 CLOCK_SLACK_S = 1.0
 
 
-def lock_host(plan: dict[str, Any]) -> str:
+def lock_host(doc: Plan | dict[str, Any]) -> str:
     """Where the redeploy lock lives: the router's host (every drain goes through it), else the first server."""
-    router = plan.get("router")
-    return router["host"] if router else plan["servers"][0]["ranks"][0]["host"]
+    plan = Plan.of(doc)
+    return plan.router.host if plan.router else plan.servers[0].ranks[0].host
 
 
 def utc(epoch: float) -> str:
@@ -159,25 +160,26 @@ def _epoch(info: dict[str, Any], clock: dict[str, float] | None) -> float | None
     return float(clock["time"]) - (float(clock["monotonic"]) - mono)
 
 
-def server_states(plan: dict[str, Any], answers: dict[str, dict[str, Any]], health_timeout: float,
+def server_states(doc: Plan | dict[str, Any], answers: dict[str, dict[str, Any]], health_timeout: float,
                   ) -> dict[str, dict[str, Any]]:
     """Per server: state (healthy | loading | stopped | broken | unknown), when its ranks started (epochs:
     the earliest and the latest rank), whether the router lists it (None: unknown), and why."""
-    router = plan.get("router")
+    plan = Plan.of(doc)
+    router = plan.router
     listed: dict[str, bool] | None = None
-    if router and router["kind"] == "sglang":
-        unit = answers.get(router["host"], {}).get("units", {}).get(router["unit"], {})
+    if router and router.kind == "sglang":
+        unit = answers.get(router.host, {}).get("units", {}).get(router.unit, {})
         if isinstance(unit.get("workers"), list):
             listed = {w.get("url"): w.get("healthy") is not False for w in unit["workers"]}
     out: dict[str, dict[str, Any]] = {}
-    for server in plan["servers"]:
+    for server in plan.servers:
         rows, starts, why = [], [], ""
-        for rank in server["ranks"]:
-            answer = answers.get(rank["host"], {})
+        for rank in server.ranks:
+            answer = answers.get(rank.host, {})
             if "units" not in answer:
                 rows.append(None)
                 continue
-            info = answer["units"].get(rank["unit"], {"active": "absent"})
+            info = answer["units"].get(rank.unit, {"active": "absent"})
             rows.append(info)
             when = _epoch(info, answer.get("clock")) if info.get("active") == "active" else None
             if when is not None:
@@ -199,9 +201,9 @@ def server_states(plan: dict[str, Any], answers: dict[str, dict[str, Any]], heal
                                              if r.get("active") != "active")
         else:    # inactive, stopped cleanly: what a redeploy does between its drain and its start
             state, why = "stopped", "stopped (not failed)"
-        url = worker_url(server)
-        out[server["name"]] = {
-            "role": server["role"], "state": state, "why": why,
+        url = server.url
+        out[server.name] = {
+            "role": server.role, "state": state, "why": why,
             "first_start": min(starts) if starts and len(starts) == len(rows) else None,
             "last_start": max(starts) if starts else None,
             "in_router": (url in listed and listed[url]) if listed is not None else None,
@@ -232,7 +234,7 @@ def stale_prefills(states: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
     return out
 
 
-def decide(plan: dict[str, Any], answers: dict[str, dict[str, Any]], now: float | None = None,
+def decide(doc: Plan | dict[str, Any], answers: dict[str, dict[str, Any]], now: float | None = None,
            health_timeout: float = 3600.0, skip: list[str] | tuple = ()) -> dict[str, Any]:
     """What a repair does now, in order:
 
@@ -249,9 +251,9 @@ def decide(plan: dict[str, Any], answers: dict[str, dict[str, Any]], now: float 
     loading must not hold up the redeploy that fixes it).
     """
     now = time.time() if now is None else now
+    plan = Plan.of(doc)
     states = server_states(plan, answers, health_timeout)
-    router = plan.get("router")
-    drain = bool(router) and router["kind"] == "sglang"
+    drain = bool(plan.router) and plan.router.kind == "sglang"
     start = [n for n, s in states.items() if s["state"] == "stopped" and n not in skip]
     wait = [n for n, s in states.items() if s["state"] == "loading" and n not in skip]
     stale = stale_prefills(states)
@@ -328,7 +330,7 @@ def summary(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def problems(plan: dict[str, Any], answers: dict[str, dict[str, Any]], verdict: dict[str, Any],
+def problems(doc: Plan | dict[str, Any], answers: dict[str, dict[str, Any]], verdict: dict[str, Any],
              now: float | None = None) -> list[str]:
     """`k31 status`'s problems about an interrupted redeploy: drained healthy servers and held watchers,
     each saying whether the running redeploy accounts for it or which command repairs it."""
@@ -337,12 +339,13 @@ def problems(plan: dict[str, Any], answers: dict[str, dict[str, Any]], verdict: 
     fix = ("a redeploy is running: " + verdict["message"]) if running else \
         "no redeploy is running: k31 status --repair re-adds it"
     out = []
+    plan = Plan.of(doc)
     states = server_states(plan, answers, 3600.0)
     for name, s in states.items():
         if s["state"] == "healthy" and s["in_router"] is False:
             out.append(f"{name}: healthy but out of the router ({fix})")
     held = holds(answers, now)
-    order = [r["host"] for srv in plan["servers"] for r in srv["ranks"]]
+    order = plan.engine_hosts
     for host in sorted(held, key=lambda h: order.index(h) if h in order else len(order)):
         hold = held[host]
         if hold["live"]:

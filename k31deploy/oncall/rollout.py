@@ -14,6 +14,7 @@ from typing import Any
 from k31deploy.address import http_url, url
 from k31deploy.errors import K31Error
 from k31deploy.monitoring.config import api_url
+from k31deploy.plan import Plan, Server, Service
 
 ROLES = ("decode", "prefill", "unified")  # also the rollout's phase order: prefills follow their decodes
 RULE = "the prefill keeps the old decode's Mooncake mapping (seed, PD disaggregation)"
@@ -23,60 +24,57 @@ def http(address: str, port: int, path: str = "") -> str:
     return http_url(address, port, path)
 
 
-def router_url(router: dict[str, Any]) -> str:
+def router_url(router: Service) -> str:
     """The router's base URL at its public address: https with public_tls."""
-    return url("https" if router.get("tls") else "http", router["public_address"], router["port"])
+    return url("https" if router.tls else "http", router.public_address, router.port)
 
 
-def router_auth(router: dict[str, Any]) -> dict[str, str]:
+def router_auth(unit: str) -> dict[str, str]:
     """Where the host-side client, on the router's host, finds the router's keys: its own env file (k31_router writes
     it, 0600), the variable holding the control-plane key its worker API checks (id:name:role:key), and the one
     holding the key it sends its workers (--api-key: the engines' key, which a re-added worker's entry carries).
     The keys the running router uses, read there, so no call carries them."""
-    return {"env_file": f"/etc/k31/{router['unit']}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS",
+    return {"env_file": f"/etc/k31/{unit}.env", "var": "K31_ROUTER_CONTROL_PLANE_KEYS",
             "worker_var": "K31_ROUTER_API_KEY"}
 
 
-def worker_url(server: dict[str, Any]) -> str:
-    """The URL the router knows the server by: rank 0's address, as the plan's router argv writes it."""
-    return http(server["ranks"][0]["address"], server["port"])
-
-
-def paired_prefills(plan: dict[str, Any]) -> list[str]:
+def paired_prefills(plan: Plan) -> list[str]:
     """Prefill servers a decode exchanges KV with: the router pairs every prefill with every decode."""
-    return [s["name"] for s in plan["servers"] if s["role"] == "prefill"]
+    return [s.name for s in plan.servers if s.role == "prefill"]
 
 
-def expand_targets(plan: dict[str, Any], targets: list[str] | None) -> list[str]:
+def expand_targets(doc: Plan | dict[str, Any], targets: list[str] | None) -> list[str]:
     """Role and server names -> server names in plan order; nothing named means every server."""
-    servers = [s["name"] for s in plan["servers"]]
+    plan = Plan.of(doc)
+    servers = [s.name for s in plan.servers]
     if not targets:
         return servers
-    roles_present = [r for r in ROLES if any(s["role"] == r for s in plan["servers"])]
+    roles_present = [r for r in ROLES if any(s.role == r for s in plan.servers)]
     wanted: set[str] = set()
     for target in targets:
         if target in servers:
             wanted.add(target)
         elif target in roles_present:
-            wanted.update(s["name"] for s in plan["servers"] if s["role"] == target)
+            wanted.update(s.name for s in plan.servers if s.role == target)
         else:
             raise K31Error(f"redeploy target {target!r} is neither a server nor a role of this inventory; valid "
                            f"choices: {', '.join(roles_present + servers)}")
     return [name for name in servers if name in wanted]
 
 
-def _step(server: dict[str, Any], reason: str) -> dict[str, Any]:
-    rank0 = server["ranks"][0]
+def _step(doc: Server | dict[str, Any], reason: str) -> dict[str, Any]:
+    server = Server.of(doc)
+    rank0 = server.ranks[0]
     return {
-        "name": server["name"], "role": server["role"], "reason": reason,
-        "hosts": [r["host"] for r in server["ranks"]], "rank0_host": rank0["host"],
-        "units": [r["unit"] for r in server["ranks"]], "port": server["port"],
-        "worker_url": worker_url(server),
-        "worker_type": "regular" if server["role"] == "unified" else server["role"],
-        "bootstrap_port": server.get("bootstrap_port"),
-        "health_url": http(rank0["address"], server["port"], "/health"),    # where the engine binds
-        "load_url": http(rank0["address"], server["port"], "/get_load"),
-        "auth_file": rank0.get("auth_file"),    # the key the running engine checks, read on its host
+        "name": server.name, "role": server.role, "reason": reason,
+        "hosts": [r.host for r in server.ranks], "rank0_host": rank0.host,
+        "units": [r.unit for r in server.ranks], "port": server.port,
+        "worker_url": server.url,
+        "worker_type": "regular" if server.role == "unified" else server.role,
+        "bootstrap_port": server.bootstrap_port,
+        "health_url": http(rank0.address, server.port, "/health"),    # where the engine binds
+        "load_url": http(rank0.address, server.port, "/get_load"),
+        "auth_file": rank0.auth_file,    # the key the running engine checks, read on its host
     }
 
 
@@ -95,7 +93,7 @@ def _chunks(steps: list[dict[str, Any]], batch: int) -> list[list[dict[str, Any]
     return out
 
 
-def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int = 1) -> dict[str, Any]:
+def rollout(doc: Plan | dict[str, Any], targets: list[str] | None = None, batch: int = 1) -> dict[str, Any]:
     """What the redeploy playbook iterates over: hosts in order, `serial` batch sizes, one step per server."""
     try:
         batch = int(batch)
@@ -103,20 +101,21 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
         batch = 0
     if batch < 1:
         raise K31Error("k31_redeploy_batch must be a whole number of 1 or more (servers restarted at a time)")
+    plan = Plan.of(doc)
     if isinstance(targets, str):
         targets = [t for t in targets.replace(",", " ").split() if t]
-    by_name = {s["name"]: s for s in plan["servers"]}
+    by_name = {s.name: s for s in plan.servers}
     named = expand_targets(plan, targets)
-    decodes = [n for n in named if by_name[n]["role"] == "decode"]
+    decodes = [n for n in named if by_name[n].role == "decode"]
     followers = [p for p in paired_prefills(plan) if p not in named] if decodes else []
-    steps = [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "decode"]
-    steps += [_step(s, "target" if s["name"] in named else "pd-rule")
-              for s in plan["servers"] if s["role"] == "prefill" and (s["name"] in named or s["name"] in followers)]
-    steps += [_step(by_name[n], "target") for n in named if by_name[n]["role"] == "unified"]
+    steps = [_step(by_name[n], "target") for n in named if by_name[n].role == "decode"]
+    steps += [_step(s, "target" if s.name in named else "pd-rule")
+              for s in plan.servers if s.role == "prefill" and (s.name in named or s.name in followers)]
+    steps += [_step(by_name[n], "target") for n in named if by_name[n].role == "unified"]
 
-    router = plan.get("router") or None
-    drain = bool(router) and router["kind"] == "sglang"
-    all_decodes = [s["name"] for s in plan["servers"] if s["role"] == "decode"]
+    router = plan.router
+    drain = bool(router) and router.kind == "sglang"
+    all_decodes = [s.name for s in plan.servers if s.role == "decode"]
     # A restarted decode waits out of the router until its prefills restarted (no request meets a stale
     # mapping) -- possible only while a decode this run leaves alone keeps serving.
     hold = drain and bool(decodes) and any(d not in decodes for d in all_decodes)
@@ -132,7 +131,7 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
                      "those prefills restarted" if hold else
                      "every decode server restarts, so each rejoins the router after its health gate; until the "
                      "prefills restarted, requests through it may meet a stale mapping")
-    if router and router["kind"] == "dynamo":
+    if router and router.kind == "dynamo":
         notes.append("router kind dynamo: each worker drains itself -- on SIGTERM it leaves discovery, finishes its "
                      "in-flight requests and then exits (dynamo.sglang's graceful shutdown), so rank 0 is stopped "
                      "first and the stop waits for it (k31_engine_dynamo_stop_timeout)")
@@ -148,50 +147,49 @@ def rollout(plan: dict[str, Any], targets: list[str] | None = None, batch: int =
         "followers": followers,
         "hold_decodes": hold,
         "hold_hosts": [h for s in steps if s["role"] == "prefill" for h in s["hosts"]] if decodes else [],
-        "router": {"kind": router["kind"], "host": router["host"], "port": router["port"],
-                   "url": router_url(router), **({"auth": router_auth(router)} if drain else {})} if router else None,
+        "router": {"kind": router.kind, "host": router.host, "port": router.port, "url": router_url(router),
+                   **({"auth": router_auth(router.unit)} if drain else {})} if router else None,
         "drain": drain,
         "silence": silence(plan, [st["name"] for st in steps]),
         "notes": notes,
     }
 
 
-def silence(plan: dict[str, Any], servers: list[str]) -> dict[str, Any] | None:
+def silence(plan: Plan, servers: list[str]) -> dict[str, Any] | None:
     """The Alertmanager silence a redeploy holds over the servers it restarts (planned restarts page nobody;
     `k31 status` lists what it holds back): created when the rollout starts, expired when it finishes, and
     ending by itself if the run is lost. None without monitoring."""
-    mon = plan.get("monitoring")
-    if not mon or not servers:
+    if not plan.monitoring or not servers:
         return None
     pattern = "|".join(re.escape(name) for name in servers)
-    return {"host": mon["host"], "url": f"{api_url(plan, 'alertmanager')}/api/v2/silences",
+    return {"host": plan.monitoring.host, "url": f"{api_url(plan, 'alertmanager')}/api/v2/silences",
             "matchers": [{"name": "k31_server", "value": f"^(?:{pattern})$", "isRegex": True, "isEqual": True}],
             "comment": f"k31 redeploy of {', '.join(servers)}"}
 
 
-def follow_config(plan: dict[str, Any], host: str, **settings: Any) -> dict[str, Any] | None:
+def follow_config(doc: Plan | dict[str, Any], host: str, **settings: Any) -> dict[str, Any] | None:
     """The k31-pd-follow watcher's config for `host`: None unless it runs a prefill rank of a PD plan."""
-    prefills = [s for s in plan["servers"] if s["role"] == "prefill"]
-    decodes = [s for s in plan["servers"] if s["role"] == "decode"]
-    mine = [(i, s, r) for i, s in enumerate(prefills) for r in s["ranks"] if r["host"] == host]
+    plan = Plan.of(doc)
+    prefills = [s for s in plan.servers if s.role == "prefill"]
+    decodes = [s for s in plan.servers if s.role == "decode"]
+    mine = [(i, s, r) for i, s in enumerate(prefills) for r in s.ranks if r.host == host]
     if not mine or not decodes:
         return None
-    router = plan.get("router") or None
+    router = plan.router
     drains = []
     for _, server, rank in mine:
-        if rank["node_rank"] == 0 and router and router["kind"] == "sglang":
+        if rank.node_rank == 0 and router and router.kind == "sglang":
             drains.append({"router": router_url(router),
-                           "router_ca": router["tls"]["ca"] if router.get("tls") else None,
-                           "worker_url": worker_url(server), "bootstrap_port": server.get("bootstrap_port"),
-                           "health": http(rank["address"], server["port"], "/health"),
-                           "load": http(rank["address"], server["port"], "/get_load")})
-    own = {s["name"] for _, s, _ in mine}
+                           "router_ca": router.tls["ca"] if router.tls else None,
+                           "worker_url": server.url, "bootstrap_port": server.bootstrap_port,
+                           "health": http(rank.address, server.port, "/health"),
+                           "load": http(rank.address, server.port, "/get_load")})
+    own = {s.name for _, s, _ in mine}
     return {
-        "units": [r["unit"] for _, _, r in mine],
+        "units": [r.unit for _, _, r in mine],
         "index": min(i for i, _, _ in mine),
-        "peers": [worker_url(s) for s in prefills if s["name"] not in own] if drains else [],
-        "decodes": [{"name": d["name"], "health": http(d["ranks"][0]["address"], d["port"], "/health")}
-                    for d in decodes],
+        "peers": [s.url for s in prefills if s.name not in own] if drains else [],
+        "decodes": [{"name": d.name, "health": http(d.ranks[0].address, d.port, "/health")} for d in decodes],
         "drains": drains,
         **settings,
     }

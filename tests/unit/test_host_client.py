@@ -103,7 +103,7 @@ def router_env(tmp_path, key=KEY, container=False, worker_key=WORKER_KEY):
     path.write_text("# Ansible managed\nRUST_LOG=info\n"
                     + (envfile.line("K31_ROUTER_API_KEY", worker_key, container=container) + "\n" if worker_key else "")
                     + envfile.line("K31_ROUTER_CONTROL_PLANE_KEYS", "k31:k31:admin:" + key, container=container) + "\n")
-    return {**rollout.router_auth({"unit": "k31-router"}), "env_file": str(path)}
+    return {**rollout.router_auth("k31-router"), "env_file": str(path)}
 
 
 def cli(action, spec):

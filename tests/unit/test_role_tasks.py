@@ -120,7 +120,7 @@ def test_a_drain_and_a_readd_ask_the_router_with_the_keys_it_holds_read_on_its_h
     env.filters.update(AnsibleCore().filters())
     role_vars = yaml.safe_load((REPO / "roles/k31_redeploy/vars/main.yml").read_text())
     defaults = yaml.safe_load((REPO / "roles/k31_redeploy/defaults/main.yml").read_text())
-    rollout = {"router": {"auth": router_auth({"unit": "k31-router"})}}
+    rollout = {"router": {"auth": router_auth("k31-router")}}
     for inventory, env_file in (({}, "/etc/k31/k31-router.env"), ({"k31_router_etc_dir": "/srv/k31"},
                                                                    "/srv/k31/k31-router.env")):
         etc_dir = jinja2.Environment().from_string(defaults["k31_redeploy_router_etc_dir"]).render(**inventory)

@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from recipe_helpers import plan as resolve_plan
 
 from k31deploy.oncall import gather
 from k31deploy.runner import records
@@ -116,12 +117,11 @@ def test_private_files_are_0600_in_directories_made_0700(tmp_path):
 
 
 def test_k31_logs_writes_each_unit_0600_into_a_0700_folder(tmp_path):
-    plan = {"model": "m", "servers": [{"name": "decode0", "role": "decode", "port": 30100,
-                                       "ranks": [{"host": "d0", "node_rank": 0, "unit": "k31-decode0-r0"}]}],
-            "router": None}
+    plan = resolve_plan(platform="mi355x", agents=48, router="none")
+    rank = plan["servers"][0]["ranks"][0]
 
     def fake_runner(inventory, source, hosts, become):
-        return {"d0": {"logs": {"k31-decode0-r0": "line 1\n"}}}
+        return {rank["host"]: {"logs": {rank["unit"]: "line 1\n"}}}
 
     old = os.umask(0o022)
     try:

@@ -4,7 +4,6 @@ k31deploy.oncall.rollout and k31deploy.oncall.recover)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -24,7 +23,6 @@ try:
         outcomes,
         report,
         rollout,
-        server_step,
         step_files,
         step_mode,
         step_report,
@@ -48,17 +46,8 @@ def k31_redeploy_follow_config(plan: dict[str, Any], host: str, settings: dict[s
 
 
 def k31_redeploy_recover_spec(plan: dict[str, Any]) -> dict[str, Any]:
-    """Where the repair looks: the lock host, the probe (k31 status's own; its sha256, which a host's installed copy
-    must have to be run instead) and its argument for each host, and one rollout-style step per server (drain,
-    restart and re-add use the same fields)."""
-    specs = gather.host_specs(plan)
-    return {"lock_host": recover.lock_host(plan), "probe": str(gather.PROBE),
-            "probe_sha256": hashlib.sha256(gather.PROBE.read_bytes()).hexdigest(),
-            "probe_args": {h: json.dumps({"mode": "status", "common": {}, "hosts": {h: spec}})
-                           for h, spec in specs.items()},
-            "hosts": list(specs), "steps": {s["name"]: server_step(s, "repair") for s in plan["servers"]},
-            "prefill_hosts": sorted({r["host"] for s in plan["servers"] if s["role"] == "prefill"
-                                     for r in s["ranks"]})}
+    """Where the repair looks (oncall/gather.repair_spec)."""
+    return gather.repair_spec(plan)
 
 
 def k31_redeploy_lock_owner(what: str, seconds: Any) -> dict[str, Any]:
