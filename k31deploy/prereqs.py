@@ -21,6 +21,7 @@ from k31deploy import imagearchive, wheelhouse
 from k31deploy.catalog import load_yaml
 from k31deploy.errors import K31Error
 from k31deploy.monitoring import rules as monitoring_rules
+from k31deploy.plan import Plan
 from k31deploy.recipe.hosts import (
     ENGINE_GROUPS,
     PEM_ROLE_VARS,
@@ -118,14 +119,12 @@ class Problems:
         return [s.replace("{hosts}", ", ".join(h)) for s, h in self.hosts.items()]
 
 
-def plan_hosts(plan: dict[str, Any]) -> list[str]:
-    hosts = [r["host"] for s in plan["servers"] for r in s["ranks"]]
-    hosts += [part["host"] for part in (plan.get("router"), plan.get("mooncake_master"), plan.get("monitoring"))
-              if part]
+def plan_hosts(plan: Plan) -> list[str]:
+    hosts = plan.engine_hosts + [part.host for part in (plan.router, plan.mooncake_master, plan.monitoring) if part]
     return list(dict.fromkeys(hosts))
 
 
-def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Problems) -> None:
+def check_secrets(plan: Plan, hosts: dict[str, Host], problems: Problems) -> None:
     """Every secret a host of the plan (or the controller) defines must resolve to a one-line, non-empty value;
     the router key must be one the router can keep out of argv, and the same wherever it is read."""
     keys: dict[str, str] = {}
@@ -161,50 +160,49 @@ def check_secrets(plan: dict[str, Any], hosts: dict[str, Host], problems: Proble
                              f"'-'", host.name)
             elif var == "k31_router_api_key":
                 keys[host.name] = value
-    router = plan.get("router") or {}
+    router = plan.router
     check_control_planes(plan, hosts, keys, problems)
     if not keys:
         return
-    if router.get("kind") == "dynamo":
+    if router and router.kind == "dynamo":
         problems.add(f"k31_router_api_key is set ({', '.join(keys)}) but router=dynamo: the Dynamo frontend "
                      f"(ai-dynamo 1.6.1) has no API key check, so the key would guard nothing (its clients present "
                      f"a cluster-CA certificate instead); unset it, or put the endpoint behind router=sglang")
         return
     if not router:    # the unified engines serve clients themselves and check the key
         return
-    if router.get("secret_exec") is False:    # the catalog's dialect: a binary, its flags in argv
-        dialect = router["dialect"]
+    if not router.secret_exec:    # the catalog's dialect: a binary, its flags in argv
+        dialect = router.dialect
         problems.add(f"k31_router_api_key cannot be kept out of the router's argv with router_dialect={dialect}: "
                      f"the {dialect} binary takes the key only as --api-key, which every local user reads in "
                      "/proc/<pid>/cmdline; use router_dialect=launch_router or leave k31_router_api_key unset")
     # The smoke check (localhost) and redeploys (engine hosts) send the key the router checks.
-    want = keys.get(router["host"])
+    want = keys.get(router.host)
     if want is None:
-        problems.add(f"k31_router_api_key is set on {', '.join(keys)} but not on the router host {router['host']}, "
+        problems.add(f"k31_router_api_key is set on {', '.join(keys)} but not on the router host {router.host}, "
                      f"so the router would run without it; set it once for group all (-e @secrets.yml does)")
         return
-    engines = [r["host"] for s in plan["servers"] for r in s["ranks"]]
-    differ = [h for h in hosts if h in ("localhost", *engines) and keys.get(h) != want]
+    differ = [h for h in hosts if h in ("localhost", *plan.engine_hosts) and keys.get(h) != want]
     if differ:
-        problems.add(f"k31_router_api_key on {', '.join(differ)} is unset or not the router's ({router['host']}); "
+        problems.add(f"k31_router_api_key on {', '.join(differ)} is unset or not the router's ({router.host}); "
                      f"the smoke check (localhost) and redeploys (engine hosts) send it, so set it once for group "
                      f"all (-e @secrets.yml does)")
 
 
-def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dict[str, str],
+def check_control_planes(plan: Plan, hosts: dict[str, Host], keys: dict[str, str],
                          problems: Problems) -> None:
     """Every API the plan exposes is authenticated: engines serving HTTP (and the router in front of them)
     check k31_router_api_key, their admin API and the router's worker API keys derived from the k31 cluster CA;
     Dynamo's control planes check certificates of that CA."""
-    serving = [r["host"] for s in plan["servers"] for r in s["ranks"] if r.get("auth_file")]
+    serving = [r.host for s in plan.servers for r in s.ranks if r.auth_file]
     if serving and not keys:
         problems.add(f"the engines' HTTP API ({', '.join(dict.fromkeys(serving))}) and the router in front of them "
                      f"are authenticated with k31_router_api_key, which is not set; put it in Ansible Vault and pass "
                      f"it for group all (-e @secrets.yml)")
-    if plan.get("pki") or serving:
+    if plan.pki or serving:
         missing = [name for name in plan_hosts(plan) if name in hosts
                    and not (hosts[name].has("k31_pki_ca_cert") and hosts[name].has("k31_pki_ca_key"))]
-        dynamo = (plan.get("router") or {}).get("kind") == "dynamo"
+        dynamo = bool(plan.router) and plan.router.kind == "dynamo"
         what = ("router=dynamo: its control planes (NATS, the request and response planes, the frontend) "
                 "authenticate with certificates of the k31 cluster CA" if dynamo else
                 "the engines' admin API (--admin-api-key) and the router's worker API (--control-plane-api-keys) "
@@ -215,29 +213,29 @@ def check_control_planes(plan: dict[str, Any], hosts: dict[str, Host], keys: dic
             problems.add(f"{what}, which {', '.join(missing)} lack; run `k31 pki init --vars-file "
                          f"<inventory>/group_vars/all/k31_pki.yml --vault-password-file FILE` and deploy with that "
                          f"vault password")
-    router = plan.get("router") or {}
-    if router.get("tls") and router["host"] in hosts:
-        lacking = [v for v in ("k31_pki_public_cert", "k31_pki_public_key") if not hosts[router["host"]].has(v)]
+    router = plan.router
+    if router and router.tls and router.host in hosts:
+        lacking = [v for v in ("k31_pki_public_cert", "k31_pki_public_key") if not hosts[router.host].has(v)]
         if lacking:
-            problems.add(f"public_tls=true: the router host {router['host']} serves clients over HTTPS with the "
+            problems.add(f"public_tls=true: the router host {router.host} serves clients over HTTPS with the "
                          f"site's certificate, and {' and '.join(lacking)} {'is' if len(lacking) == 1 else 'are'} "
-                         f"not set there; give the PEM certificate (naming {router['public_address']}) and its key "
+                         f"not set there; give the PEM certificate (naming {router.public_address}) and its key "
                          f"(Ansible Vault), or set k31_public_tls=false")
 
 
-def image_hosts(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
+def image_hosts(plan: Plan, groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
     """Hosts that run something from the serving image: k31_image_enabled where the inventory sets it, else the
     test roles/k31's _k31_serves_image asks too (k31deploy.recipe.hosts.serves_image), on the roles' defaults."""
-    kind = (plan.get("router") or {}).get("kind")
+    kind = plan.router.kind if plan.router else None
     return [host for host in hosts.values()
             if (host.flag("k31_image_enabled") if host.has("k31_image_enabled") else
                 serves_image(host.name, groups, kind, host.text("k31_engine_runtime"),
                              host.text("k31_router_runtime"), host.text("k31_dynamo_runtime")))]
 
 
-def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host],
+def check_image(plan: Plan, groups: dict[str, list[str]], hosts: dict[str, Host],
                 problems: Problems) -> None:
-    image = plan.get("image")
+    image = plan.image
     archives: dict[str, str] = {}     # a tarball's verdict, read once for all the hosts that load it
     for host in image_hosts(plan, groups, hosts):
         try:
@@ -291,18 +289,18 @@ def check_image(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[
             problems.add(f"the image settings of {{hosts}} cannot be resolved ({exc})", host.name)
 
 
-def wheel_needs(plan: dict[str, Any], groups: dict[str, list[str]],
+def wheel_needs(plan: Plan, groups: dict[str, list[str]],
                 hosts: dict[str, Host]) -> Iterable[tuple[str, str, str, str]]:
     """(set, its tag group, wheelhouse folder, why) for every venv a host's runtime installs from the wheelhouse."""
-    router = plan.get("router") or {}
-    if router.get("kind") == "sglang" and router["host"] in hosts:
-        host = hosts[router["host"]]
+    router = plan.router
+    if router and router.kind == "sglang" and router.host in hosts:
+        host = hosts[router.host]
         if host.text("k31_router_runtime") == "venv":
             yield ("router", "router", host.text("k31_router_wheelhouse"),
                    f"the router runs from a venv (k31_router_runtime=venv on {host.name})")
-    if router.get("kind") == "dynamo":
-        if router["host"] in hosts:
-            host = hosts[router["host"]]
+    if router and router.kind == "dynamo":
+        if router.host in hosts:
+            host = hosts[router.host]
             if host.text("k31_dynamo_runtime") == "venv":
                 yield ("dynamo", "dynamo-frontend", host.text("k31_dynamo_wheelhouse"),
                        f"the Dynamo frontend runs from a venv (k31_dynamo_runtime=venv on {host.name})")
@@ -310,9 +308,9 @@ def wheel_needs(plan: dict[str, Any], groups: dict[str, list[str]],
             if name in hosts and hosts[name].text("k31_engine_runtime") == "standin":
                 yield ("dynamo", "dynamo-workers", hosts[name].text("k31_engine_wheelhouse"),
                        f"the Dynamo worker stand-in runs from a venv (k31_engine_runtime=standin on {name})")
-    master = plan.get("mooncake_master")
-    if master and master["host"] in hosts:
-        host = hosts[master["host"]]
+    master = plan.mooncake_master
+    if master and master.host in hosts:
+        host = hosts[master.host]
         if host.text("k31_mooncake_store_runtime") == "venv":
             yield ("mooncake", "mooncake", host.text("k31_mooncake_store_wheelhouse"),
                    f"the Mooncake master runs from a venv (k31_mooncake_store_runtime=venv on {host.name})")
@@ -323,7 +321,7 @@ def runs(tags: set[str], run_tags: Iterable[str], skip_tags: Iterable[str]) -> b
     return ("all" in run or bool(tags & run)) and not tags & skip
 
 
-def check_wheelhouse(plan: dict[str, Any], groups: dict[str, list[str]], hosts: dict[str, Host], problems: Problems,
+def check_wheelhouse(plan: Plan, groups: dict[str, list[str]], hosts: dict[str, Host], problems: Problems,
                      run_tags: Iterable[str], skip_tags: Iterable[str]) -> None:
     arch = wheelhouse.host_arch()  # what `k31 wheelhouse pack` packs for, on this controller
     seen: set[tuple[str, str]] = set()
@@ -342,12 +340,12 @@ MONITORING_DURATIONS = ("k31_monitoring_scrape_interval", "k31_monitoring_evalua
                         "k31_monitoring_repeat_interval")
 
 
-def check_monitoring(plan: dict[str, Any], hosts: dict[str, Host], problems: Problems) -> None:
+def check_monitoring(plan: Plan, hosts: dict[str, Host], problems: Problems) -> None:
     """The monitoring host's settings, here rather than in the monitoring play, which runs after the engines."""
-    mon = plan.get("monitoring")
-    if not mon or mon["host"] not in hosts:
+    mon = plan.monitoring
+    if not mon or mon.host not in hosts:
         return
-    host = hosts[mon["host"]]
+    host = hosts[mon.host]
     for var in MONITORING_DURATIONS:
         value = host.text(var)
         if not monitoring_rules.DURATION.match(value):
@@ -363,15 +361,16 @@ def check_monitoring(plan: dict[str, Any], hosts: dict[str, Host], problems: Pro
         problems.add(f"k31_monitoring_rule_settings: {exc}")
 
 
-def prerequisites(plan: dict[str, Any], groups: dict[str, list[str]], hostvars: Any, playbook_dir: str,
+def prerequisites(doc: dict[str, Any], groups: dict[str, list[str]], hostvars: Any, playbook_dir: str,
                   checks: Iterable[str] = CHECKS, run_tags: Iterable[str] = ("all",),
                   skip_tags: Iterable[str] = ()) -> list[str]:
     """One sentence per missing prerequisite of `checks` (secrets, image, wheelhouse); [] when nothing is missing."""
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
         raise K31Error(f"k31_validate_prerequisites names {', '.join(unknown)}; valid choices: {', '.join(CHECKS)}")
-    if "error" in plan:
+    if "error" in doc:    # the plan's own refusal, which the validate play reports
         return []
+    plan = Plan.of(doc)
     defaults = role_defaults(playbook_dir)
     names = [*plan_hosts(plan), *(["localhost"] if "localhost" not in plan_hosts(plan) else [])]
     hosts = {n: Host(n, hostvars, defaults) for n in names if n in hostvars}
