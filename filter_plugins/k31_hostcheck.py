@@ -54,16 +54,14 @@ def k31_host_memory_need(plan: dict[str, Any], host: str, weights_gb_per_gpu: fl
         raise AnsibleFilterError(f"error: {exc}") from None
 
 
-def k31_rdma_select(sysfs: str, host_ip: str | None, cidrs: list[str] | None = None,
-                    rdma_link: str = "") -> dict[str, Any]:
-    """The RDMA ports NCCL / Mooncake use and the env that names them ({ports, devices, gid_index, left_out, env})."""
-    parsed = rdma.parse_sysfs(sysfs)
-    ports = rdma.merge_ports(rdma.parse_rdma_link(rdma_link) if rdma_link else [], parsed["ports"])
+def k31_rdma_choice(output: str, host_ip: str | None, cidrs: list[str] | None = None, gid_index: Any = None,
+                    extra_env: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What k31_rdma does on this host, from the pre-flight probe's output (rdma.choose)."""
+    gid = None if gid_index is None or gid_index == "" else int(gid_index)
     try:
-        selection = rdma.select(ports, parsed["gids"], host_ip, list(cidrs or []))
+        return rdma.choose(system.sections(output), host_ip or None, list(cidrs or []), gid, dict(extra_env or {}))
     except ValueError as exc:
         raise AnsibleFilterError(f"error: k31_rdma_fabric_cidrs: {exc}") from None
-    return {**selection, "all_ports": [p.to_dict() for p in ports], "env": rdma.rdma_env(selection, host_ip)}
 
 
 def k31_mlnx_qos(output: str) -> dict[str, Any]:
@@ -114,7 +112,7 @@ class FilterModule:
     def filters(self):
         return {
             "k31_preflight_checks": k31_preflight_checks, "k31_preflight_report": k31_preflight_report,
-            "k31_host_memory_need": k31_host_memory_need, "k31_rdma_select": k31_rdma_select,
+            "k31_host_memory_need": k31_host_memory_need, "k31_rdma_choice": k31_rdma_choice,
             "k31_mlnx_qos": k31_mlnx_qos, "k31_pfc_vector": k31_pfc_vector, "k31_imex_domain": k31_imex_domain,
             "k31_imex_nodes_config": k31_imex_nodes_config, "k31_imex_status": k31_imex_status,
             "k31_imex_config": k31_imex_config,

@@ -12,6 +12,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from k31deploy.hostcheck import system
+
 
 @dataclass(frozen=True)
 class Port:
@@ -187,6 +189,39 @@ def rdma_env(selection: dict[str, Any], host_ip: str | None) -> dict[str, str]:
         env["NCCL_IB_GID_INDEX"] = str(selection["gid_index"])
         env["MC_GID_INDEX"] = str(selection["gid_index"])
     return env
+
+
+def choose(probes: dict[str, system.Section], host_ip: str | None, cidrs: list[str] | None = None,
+           gid_index: int | None = None, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """What k31_rdma does on a host, from the probe pre-flight runs (its rdma-sysfs, rdma-link and capeff sections):
+    the chosen ports (select) with every port seen (`all_ports`), whether an active port was left without a fabric
+    GID (`unmatched`, which the role refuses with k31_rdma_require_match), the engines' env (rdma_env, then the
+    site's GID index for NCCL and Mooncake and its extra variables), one line saying what was chosen
+    (`summary`), and whether this session may raise resource limits (`can_raise_limits`: CAP_SYS_RESOURCE, which
+    a container lacks), so memlock is set only where it can be."""
+    def text(name: str, ok_only: bool = False) -> str:
+        sec = probes.get(name)
+        return sec.text if sec is not None and (sec.ok or not ok_only) else ""
+
+    parsed = parse_sysfs(text("rdma-sysfs"))
+    ports = merge_ports(parse_rdma_link(text("rdma-link", ok_only=True)), parsed["ports"])
+    selection = select(ports, parsed["gids"], host_ip, list(cidrs or []))
+    env = rdma_env(selection, host_ip)
+    if gid_index is not None:
+        env.update(NCCL_IB_GID_INDEX=str(gid_index), MC_GID_INDEX=str(gid_index))
+    env.update({str(k): str(v) for k, v in (extra_env or {}).items()})
+    names = ", ".join(c["device"] for c in selection["ports"]) or "none"
+    left = f"; left out: {'; '.join(selection['left_out'])}" if selection["left_out"] else ""
+    summary = (f"RDMA ports: {names}{left}" if ports else
+               "skipped: no RDMA devices on this host (/sys/class/infiniband is empty): rdma-core, port choice and "
+               "QoS left out; rdma.env carries SGLANG_HOST_IP only")
+    try:
+        can_raise = system.has_capability(system.parse_capeff(text("capeff")), system.CAP_SYS_RESOURCE)
+    except ValueError:    # no CapEff line: the probe did not read it
+        can_raise = False
+    return {**selection, "all_ports": [p.to_dict() for p in ports], "env": env, "summary": summary,
+            "unmatched": not selection["ports"] and any(p.state == "ACTIVE" for p in ports),
+            "can_raise_limits": can_raise}
 
 
 def parse_mlnx_qos(text: str) -> dict[str, Any]:

@@ -187,7 +187,7 @@ def template_context(plan: dict, env: dict[str, str], runtime: str = "container"
         "k31_router_control_plane_key": "",
         "_k31_mnnvl_env": env, "_k31_mnnvl_addresses": ["10.0.0.1", "10.0.0.2"], "inventory_hostname": "t0",
         "_k31_model_env": env, "_k31_model_items": [{"dest": "/models/k31"}],
-        "_k31_rdma_env": env, "_k31_rdma_selection": {"ports": [{"device": "mlx5_0"}], "left_out": ["mlx5_1: down"]},
+        "_k31_rdma_choice": {"env": env, "ports": [{"device": "mlx5_0"}], "left_out": ["mlx5_1: down"]},
     }
 
 

@@ -208,7 +208,6 @@ def test_unknown_setting_is_refused():
 
 
 @pytest.mark.parametrize(("role", "tasks", "sections"), [
-    ("k31_rdma", "tasks/main.yml", {"rdma-sysfs", "rdma-link", "capeff"}),
     ("k31_firewall", "vars/main.yml", {"firewalld", "nftables", "k31-table"}),
     ("k31_pki", "tasks/certificate.yml", {"host-cert"}),
 ])
@@ -220,9 +219,24 @@ def test_roles_read_sections_the_preflight_probe_prints(role, tasks, sections):
     roles = Path(__file__).resolve().parents[2] / "roles"
     probed = set(re.findall(r"^probe (\S+)", (roles / "k31_preflight/files/collect.sh").read_text(), re.M))
     text = (roles / role / tasks).read_text()
-    var = f"_{role}_" + ("s" if role == "k31_rdma" else "probe")
+    var = f"_{role}_probe"
     read = set(re.findall(rf"{var}\['([\w-]+)'\]", text)) | set(re.findall(rf"{var}\.(\w+)", text))
     assert read == sections and read <= probed
     assert re.search(rf'{var}: "{{{{ k31_preflight_probe.stdout \| k31_probe_sections }}}}"', text)
     assert any("tasks_from: probe" in f.read_text() for f in (roles / role / "tasks").glob("*.yml"))
     assert "register: k31_preflight_probe" in (roles / "k31_preflight/tasks/probe.yml").read_text()
+
+
+def test_k31_rdma_reads_the_preflight_probe_through_rdma_choose():
+    """k31_rdma hands pre-flight's probe (or its own run of probe.yml) to k31_rdma_choice; rdma.choose reads the
+    sections collect.sh prints (the ports, their GIDs, the session's capabilities)."""
+    import inspect
+
+    from k31deploy.hostcheck import rdma
+    roles = Path(__file__).resolve().parents[2] / "roles"
+    probed = set(re.findall(r"^probe (\S+)", (roles / "k31_preflight/files/collect.sh").read_text(), re.M))
+    read = set(re.findall(r'text\("([\w-]+)"', inspect.getsource(rdma.choose)))
+    assert read == {"rdma-sysfs", "rdma-link", "capeff"} and read <= probed
+    text = (roles / "k31_rdma/tasks/main.yml").read_text()
+    assert re.search(r"k31_preflight_probe\.stdout \| k31_rdma_choice\(", text)
+    assert "tasks_from: probe" in text

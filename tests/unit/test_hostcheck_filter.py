@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 from ansible.errors import AnsibleFilterError
 
-from k31deploy.hostcheck import system
 from k31deploy.memory import Options, host_memory_need
 from k31deploy.recipe import resolve
 
@@ -52,16 +51,38 @@ def test_host_memory_need_matches_the_planner():
         FILTERS["k31_host_memory_need"](plan, "node0")
 
 
-def test_rdma_select_gives_the_env():
-    sysfs = (FIX / "rdma-sysfs.txt").read_text()
-    chosen = FILTERS["k31_rdma_select"](sysfs, "10.0.0.11", [], (FIX / "rdma-link.txt").read_text())
+def _probe(**sections: str) -> str:
+    """Probe output with these sections (rc 0), as the collect script prints them."""
+    return "".join(f"### k31:{name}\n{text.rstrip()}\n### k31:{name} rc=0\n" for name, text in sections.items())
+
+
+def test_rdma_choice_gives_the_env_the_summary_and_the_memlock_verdict():
+    sysfs, link = (FIX / "rdma-sysfs.txt").read_text(), (FIX / "rdma-link.txt").read_text()
+    root = "CapEff:\t000001ffffffffff"    # every capability: CAP_SYS_RESOURCE (bit 24) among them
+    chosen = FILTERS["k31_rdma_choice"](_probe(**{"rdma-sysfs": sysfs, "rdma-link": link, "capeff": root}),
+                                        "10.0.0.11", [])
     assert chosen["env"]["NCCL_IB_HCA"] == "=mlx5_0:1,mlx5_3:1"
     assert chosen["env"]["MC_GID_INDEX"] == "3"
-    assert len(chosen["all_ports"]) == 4
+    assert len(chosen["all_ports"]) == 4 and not chosen["unmatched"] and chosen["can_raise_limits"]
+    assert chosen["summary"].startswith("RDMA ports: mlx5_0, mlx5_3; left out: ")
+    # the site's GID index and extra variables win over what was found
+    site = FILTERS["k31_rdma_choice"](_probe(**{"rdma-sysfs": sysfs}), "10.0.0.11", [], 5, {"NCCL_IB_TC": 106})
+    assert (site["env"]["NCCL_IB_GID_INDEX"], site["env"]["MC_GID_INDEX"], site["env"]["NCCL_IB_TC"]) == ("5", "5",
+                                                                                                          "106")
+    # a container: no CAP_SYS_RESOURCE (bit 24 clear)
+    boxed = FILTERS["k31_rdma_choice"](_probe(**{"rdma-sysfs": sysfs, "capeff": "CapEff:\t00000000a80425fb"}),
+                                       "10.0.0.11")
+    assert not boxed["can_raise_limits"]
+    # active RoCE ports, none with a GID for this address (and no InfiniBand port): what k31_rdma_require_match
+    # refuses
+    roce = "\n".join(line for line in sysfs.splitlines() if "/mlx5_3/" not in line)
+    assert FILTERS["k31_rdma_choice"](_probe(**{"rdma-sysfs": roce}), "10.9.9.9")["unmatched"]
+    assert not FILTERS["k31_rdma_choice"](_probe(**{"rdma-sysfs": roce}), "10.0.0.11")["unmatched"]
     with pytest.raises(AnsibleFilterError, match="k31_rdma_fabric_cidrs"):
-        FILTERS["k31_rdma_select"](sysfs, "10.0.0.11", ["10.0.0.0/99"])
-    empty = FILTERS["k31_rdma_select"](system.sections(SANDBOX_OUT)["rdma-sysfs"].text, "10.231.101.10")
+        FILTERS["k31_rdma_choice"](_probe(**{"rdma-sysfs": sysfs}), "10.0.0.11", ["10.0.0.0/99"])
+    empty = FILTERS["k31_rdma_choice"](SANDBOX_OUT, "10.231.101.10")
     assert empty["ports"] == [] and empty["env"] == {"SGLANG_HOST_IP": "10.231.101.10"}
+    assert empty["summary"].startswith("skipped: no RDMA devices") and not empty["unmatched"]
 
 
 def test_imex_filters():

@@ -34,11 +34,12 @@ def test_one_write_of_both_drop_ins_where_limits_can_be_raised_a_sentence_where_
         template = f["content"].split("'")[3]
         assert (RDMA / "templates" / template).is_file()
     assert write["notify"] == "k31_rdma reexec systemd" and write["register"] == "_k31_rdma_memlock"
-    assert runs("Memlock unlimited for login sessions and services", _k31_rdma_can_raise_limits=True)
-    assert not runs("Memlock unlimited for login sessions and services", _k31_rdma_can_raise_limits=False)
-    assert runs("Say why memlock is left alone", _k31_rdma_can_raise_limits=False)
-    assert not runs("Say why memlock is left alone", _k31_rdma_can_raise_limits=True)
-    assert not runs("Say why memlock is left alone", _k31_rdma_can_raise_limits=False, k31_rdma_memlock=False)
+    can, cannot = {"can_raise_limits": True}, {"can_raise_limits": False}
+    assert runs("Memlock unlimited for login sessions and services", _k31_rdma_choice=can)
+    assert not runs("Memlock unlimited for login sessions and services", _k31_rdma_choice=cannot)
+    assert runs("Say why memlock is left alone", _k31_rdma_choice=cannot)
+    assert not runs("Say why memlock is left alone", _k31_rdma_choice=can)
+    assert not runs("Say why memlock is left alone", _k31_rdma_choice=cannot, k31_rdma_memlock=False)
 
 
 def test_systemd_is_re_executed_only_when_its_drop_in_changed():
