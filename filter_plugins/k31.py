@@ -57,6 +57,12 @@ def k31_host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
     return launch.host_ranks(plan, host)
 
 
+def k31_engine_gate(ranks: list[dict[str, Any]], timeout: Any, quick: Any, interval: Any,
+                    max_restarts: Any) -> list[str]:
+    """The health gate's command on an engine host (its k31_host_ranks): [] where it runs no rank 0."""
+    return launch.host_gate(list(ranks), timeout=timeout, quick=quick, interval=interval, max_restarts=max_restarts)
+
+
 def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str, env_file: str,
                        container_cli: str = "docker", venv: str = "/opt/k31/venv",
                        extra_flags: list[str] | None = None, image: str | None = None) -> list[str]:
@@ -306,6 +312,7 @@ def k31_stamp_settled(reads: dict[str, Any], inputs: str) -> dict[str, Any]:
 class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
+                "k31_engine_gate": k31_engine_gate,
                 "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
                 "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file, "k31_env_line": k31_env_line,
                 "k31_env_comment": k31_env_comment, "k31_service_command": k31_service_command,

@@ -195,6 +195,25 @@ def engine_command(doc: Plan | dict[str, Any], rank_doc: Rank | dict[str, Any], 
     return [f"{venv}/bin/python3", "-m", module, *argv[3:]]
 
 
+# The health gate on engine hosts (k31deploy/oncall/gate.py, installed by k31_engine).
+ENGINE_GATE = "/usr/local/lib/k31/k31-engine-gate"
+
+
+def gate_args(targets: list[tuple[str, str]], watch: list[str], timeout: Any, quick: Any, interval: Any,
+              max_restarts: Any) -> list[str]:
+    """The health gate's arguments: each (unit, health URL) a target, each of `watch` watched for a crash loop."""
+    return ["--timeout", str(timeout), "--quick", str(quick), "--interval", str(interval),
+            "--max-restarts", str(max_restarts), *(f"--target={unit}={url}" for unit, url in targets),
+            *(f"--watch={unit}" for unit in watch)]
+
+
+def host_gate(ranks: list[dict[str, Any]], **gate: Any) -> list[str]:
+    """A deploy's health gate on one engine host (k31_engine): every rank 0 the host runs (`ranks`: host_ranks)
+    a target, every rank it runs watched; [] where it runs no rank 0, which has nothing to gate."""
+    targets = [(r["rank"]["unit"], r["health_url"]) for r in ranks if r["rank"]["node_rank"] == 0]
+    return [ENGINE_GATE, *gate_args(targets, [r["rank"]["unit"] for r in ranks], **gate)] if targets else []
+
+
 def model_mounts(doc: Plan | dict[str, Any]) -> list[str]:
     """Local model and draft directories, mounted read-only at the same path in the container."""
     plan = Plan.of(doc)

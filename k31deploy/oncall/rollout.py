@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from k31deploy import launch
 from k31deploy.address import http_url, url
 from k31deploy.errors import K31Error
 from k31deploy.monitoring.config import api_url
@@ -234,13 +235,10 @@ def idle_spec(step: dict[str, Any], timeout: Any, not_before: Any = 0) -> dict[s
             "not_before": float(not_before)}
 
 
-def gate_args(step: dict[str, Any], units: list[str], timeout: Any, quick: Any, interval: Any,
-              max_restarts: Any) -> list[str]:
+def gate_args(step: dict[str, Any], units: list[str], **gate: Any) -> list[str]:
     """The health gate's arguments (k31-engine-gate, oncall/gate.py) after a restart on the server's rank-0 host:
     rank 0's /health as the target, `units` (that host's ranks of it) watched for a crash loop."""
-    return ["--timeout", str(timeout), "--quick", str(quick), "--interval", str(interval),
-            "--max-restarts", str(max_restarts), f"--target={step['units'][0]}={step['health_url']}",
-            *(f"--watch={unit}" for unit in units)]
+    return launch.gate_args([(step["units"][0], step["health_url"])], units, **gate)
 
 
 def step_status(mode: str, reachable: bool, went: bool, failed: bool, rollback_failed: bool) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from k31deploy import bundle, launch
 from k31deploy.errors import K31Error
+from k31deploy.oncall import rollout
 from k31deploy.recipe import resolve
 from k31deploy.standin.dynamo import dynamo_parsers, parser_conflict
 from k31deploy.standin.parser import parse_args
@@ -232,3 +233,20 @@ def test_the_platform_family_comes_from_the_plan():
     assert resolve({"platform": "gb300", "topology": "pd", "agents": 64})["hardware"]["family"] == "cuda"
     assert resolve({"platform": "gb300", "topology": "pd", "agents": 64})["hardware"] == {
         "family": "cuda", "runtime": "CUDA", "form": "GB300 NVL72 tray", "gpus_per_node": 4, "nvl72": True}
+
+
+def test_a_hosts_health_gate_targets_its_rank_0s_and_watches_every_rank():
+    """The deploy's gate (k31_engine) and the redeploy's (rollout.gate_args) are the same arguments: rank 0's unit
+    and /health on its cluster address as a target, the host's ranks watched; a host with no rank 0 has no gate."""
+    plan = resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 64})    # 2-node servers
+    gate = {"timeout": 3600, "quick": 10, "interval": 5, "max_restarts": 3}
+    server = plan["servers"][0]
+    first, second = (launch.host_ranks(plan, r["host"]) for r in server["ranks"][:2])
+    rank0 = server["ranks"][0]
+    url = f"http://{rank0['address']}:{server['port']}/health"
+    assert launch.host_gate(first, **gate) == [
+        launch.ENGINE_GATE, "--timeout", "3600", "--quick", "10", "--interval", "5", "--max-restarts", "3",
+        f"--target={rank0['unit']}={url}", f"--watch={rank0['unit']}"]
+    assert launch.host_gate(second, **gate) == []
+    step = rollout.server_step(server, "target")
+    assert rollout.gate_args(step, [rank0["unit"]], **gate) == launch.host_gate(first, **gate)[1:]
