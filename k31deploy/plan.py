@@ -261,12 +261,16 @@ class Listener:
 
 @dataclass(frozen=True)
 class Node:
+    """A machine a node exporter runs on."""
+
     host: str
     address: str
 
 
 @dataclass(frozen=True)
 class Monitoring:
+    """Prometheus, Alertmanager and the blackbox exporter on one host, a node exporter on every machine."""
+
     host: str
     address: str
     prometheus_port: int
@@ -298,6 +302,9 @@ class Pki:
 
 @dataclass(frozen=True)
 class Plan:
+    """The whole plan: the contract's keys (model, platform, topology, servers, router, warnings) and what the
+    resolver adds beyond them (docs/architecture.md, What the plan carries beyond the contract)."""
+
     model: str
     platform: str
     topology: str                      # unified | pd
