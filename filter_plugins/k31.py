@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible.errors import AnsibleFilterError
+from ansible.module_utils.parsing.convert_bool import boolean
 
 try:
     from k31deploy import address, envfile, imagearchive, launch, staging, stamp
@@ -55,6 +56,13 @@ def k31_plan(groups: dict[str, list[str]], hostvars: Any, settings: dict[str, An
 def k31_host_ranks(plan: dict[str, Any], host: str) -> list[dict[str, Any]]:
     """The ranks `host` runs: [{server, rank, health_url}] (one per engine host)."""
     return launch.host_ranks(plan, host)
+
+
+def k31_docker_daemon(current: dict[str, Any] | None, nvidia: Any, nvidia_default: Any, memlock: Any,
+                      nofile: Any) -> dict[str, Any]:
+    """docker's daemon.json with k31's settings merged into the site's (launch.docker_daemon)."""
+    return launch.docker_daemon(dict(current or {}), boolean(nvidia, strict=False),
+                                boolean(nvidia_default, strict=False), int(memlock), int(nofile))
 
 
 def k31_engine_gate(ranks: list[dict[str, Any]], timeout: Any, quick: Any, interval: Any,
@@ -312,7 +320,7 @@ def k31_stamp_settled(reads: dict[str, Any], inputs: str) -> dict[str, Any]:
 class FilterModule:
     def filters(self):
         return {"k31_plan": k31_plan, "k31_host_ranks": k31_host_ranks, "k31_engine_command": k31_engine_command,
-                "k31_engine_gate": k31_engine_gate,
+                "k31_engine_gate": k31_engine_gate, "k31_docker_daemon": k31_docker_daemon,
                 "k31_metrics_targets": k31_metrics_targets, "k31_endpoint": k31_endpoint,
                 "k31_flag_value": k31_flag_value, "k31_env_file": k31_env_file, "k31_env_line": k31_env_line,
                 "k31_env_comment": k31_env_comment, "k31_service_command": k31_service_command,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Mapping
 from typing import Any
 
 from k31deploy import address as addr
@@ -88,6 +89,30 @@ def cdi_devices(flags: list[str], cli: str) -> list[str]:
     run = _container_flags(flags, cli)
     return [run[i + 1] for i, flag in enumerate(run[:-1])
             if flag == "--device" and run[i + 1].split("=", 1)[0] in CDI_GENERATE]
+
+
+def docker_daemon(current: Mapping[str, Any], nvidia: bool, nvidia_default: bool, memlock: int,
+                  nofile: int) -> dict[str, Any]:
+    """docker's daemon.json with k31's settings merged into the site's (`current`, kept where k31 sets nothing;
+    nested objects merge key by key): default container ulimits, memlock (-1 unlimited) and nofile, which the
+    engines' containers need (field notes §2, §6); on an NVIDIA host the nvidia runtime, and with
+    `nvidia_default` that runtime as the default."""
+    want: dict[str, Any] = {"default-ulimits": {
+        name: {"Name": name, "Soft": int(limit), "Hard": int(limit)}
+        for name, limit in (("memlock", memlock), ("nofile", nofile))}}
+    if nvidia:
+        want["runtimes"] = {"nvidia": {"path": "nvidia-container-runtime", "args": []}}
+        if nvidia_default:
+            want["default-runtime"] = "nvidia"
+    return _merge(dict(current), want)
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
+            else value
+    return out
 
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")

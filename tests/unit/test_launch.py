@@ -250,3 +250,35 @@ def test_a_hosts_health_gate_targets_its_rank_0s_and_watches_every_rank():
     assert launch.host_gate(second, **gate) == []
     step = rollout.server_step(server, "target")
     assert rollout.gate_args(step, [rank0["unit"]], **gate) == launch.host_gate(first, **gate)[1:]
+
+
+def test_docker_daemon_json_keeps_the_sites_keys_and_adds_k31s():
+    """k31_container_runtime's daemon.json: the site's keys stay, nested ones merge key by key, k31 sets the
+    containers' ulimits and, on NVIDIA hosts, the nvidia runtime (the default only when asked)."""
+    site = {"log-driver": "journald", "runtimes": {"crun": {"path": "/usr/bin/crun"}},
+            "default-ulimits": {"core": {"Name": "core", "Soft": 0, "Hard": 0},
+                                "nofile": {"Name": "nofile", "Soft": 1024, "Hard": 1024}}}
+    want = launch.docker_daemon(site, nvidia=True, nvidia_default=False, memlock=-1, nofile=1048576)
+    assert want["log-driver"] == "journald" and "default-runtime" not in want
+    assert want["runtimes"] == {"crun": {"path": "/usr/bin/crun"},
+                                "nvidia": {"path": "nvidia-container-runtime", "args": []}}
+    assert want["default-ulimits"] == {"core": {"Name": "core", "Soft": 0, "Hard": 0},
+                                       "nofile": {"Name": "nofile", "Soft": 1048576, "Hard": 1048576},
+                                       "memlock": {"Name": "memlock", "Soft": -1, "Hard": -1}}
+    assert site["default-ulimits"]["nofile"]["Soft"] == 1024    # the input is not changed
+    assert launch.docker_daemon({}, True, True, -1, 1048576)["default-runtime"] == "nvidia"
+    plain = launch.docker_daemon({}, nvidia=False, nvidia_default=True, memlock=-1, nofile=65536)
+    assert set(plain) == {"default-ulimits"}    # no GPU: no nvidia runtime, default or not
+    # a second converge finds what it wrote: nothing to change
+    assert launch.docker_daemon(want, True, False, -1, 1048576) == want
+
+
+def test_the_docker_daemon_filter_reads_ansibles_text_flags_and_numbers():
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "filter_plugins/k31.py"
+    spec = importlib.util.spec_from_file_location("k31_filter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    daemon = module.FilterModule().filters()["k31_docker_daemon"]
+    want = daemon(None, "True", "False", "-1", "1048576")    # set_fact may hand flags and numbers over as text
+    assert want == launch.docker_daemon({}, True, False, -1, 1048576) and "default-runtime" not in want
