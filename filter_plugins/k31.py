@@ -281,17 +281,16 @@ def k31_monitoring_host_state(lines: list[str], files: dict[str, str], units: An
     return converge.host_state([str(line) for line in lines], dict(files), list(units))
 
 
-def k31_monitoring_folders(files: Any) -> list[dict[str, str]]:
-    return converge.folders(list(files))
-
-
-def k31_monitoring_writes(stale: list[str], files: dict[str, str]) -> list[dict[str, str]]:
-    return converge.writes(list(stale), dict(files))
-
-
-def k31_monitoring_unit_actions(units: Any, files: Any) -> list[dict]:
-    """Each unit for k31_files, with the files that restart or reload it (k31deploy.monitoring.converge)."""
-    return converge.unit_actions(list(units), list(files))
+def k31_monitoring_run(have: dict[str, Any], plan: dict[str, Any], host: str, files: dict[str, str], units: Any,
+                       secret_receivers: Any, check_mode: Any, ready_timeout: Any) -> dict[str, Any]:
+    """What the role's write does on `host`: folders, files, Alertmanager's secret file, units, checks, the wait
+    (k31deploy.monitoring.converge.run)."""
+    try:
+        return converge.run(plan, str(host), dict(have), dict(files), list(units),
+                            boolean(secret_receivers, strict=False), boolean(check_mode, strict=False),
+                            int(ready_timeout))
+    except (K31Error, ValueError) as exc:
+        raise AnsibleFilterError(f"error: {exc}") from None
 
 
 def k31_stamp_inputs(plan: dict[str, Any], hostvars: Any, hosts: list[str], playbook_dir: str,
@@ -329,8 +328,7 @@ class FilterModule:
                 "k31_monitoring_files": k31_monitoring_files, "k31_monitoring_args": k31_monitoring_args,
                 "k31_monitoring_ready_urls": k31_monitoring_ready_urls,
                 "k31_monitoring_host_state": k31_monitoring_host_state,
-                "k31_monitoring_folders": k31_monitoring_folders, "k31_monitoring_writes": k31_monitoring_writes,
-                "k31_monitoring_unit_actions": k31_monitoring_unit_actions,
+                "k31_monitoring_run": k31_monitoring_run,
                 "k31_stamp_inputs": k31_stamp_inputs, "k31_stamp_settled": k31_stamp_settled,
                 "k31_image_pinned": k31_image_pinned, "k31_serves_image": k31_serves_image,
                 "k31_image_archive_id": k31_image_archive_id, "k31_cdi_devices": k31_cdi_devices,

@@ -2,7 +2,7 @@
 the files whose digest differs from the plan's, the packages missing, the units not enabled and running, and
 then which units restart (new arguments or certificates), reload (new configuration) or only start.
 
-Layer: consumers (docs/architecture.md); pure Python over the probe's lines and config.files()'s output.
+Layer: consumers (docs/architecture.md); pure Python over the probe's lines, config.files()'s output and the plan.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from k31deploy.monitoring.config import ready_urls
+from k31deploy.plan import Plan
 
 OURS = "/etc/k31/monitoring"     # k31's own configuration: readable by group prometheus only
 ARGS = "/etc/default/"           # each unit's arguments: a change restarts the unit
@@ -66,3 +69,49 @@ def unit_actions(units: Iterable[str], files: Iterable[str]) -> list[dict[str, A
     reload_on = [p for p in files if not p.startswith(ARGS)]
     return [{"name": u, "state": "started", "restart_on": restart_on,
              "reload_on": [] if u in NO_RELOAD else reload_on} for u in units]
+
+
+# Where Alertmanager's configuration goes: with receivers it names their keys (a webhook's, PagerDuty's).
+ALERTMANAGER = f"{OURS}/alertmanager.yml"
+# What a configuration is checked with before the units load it (the monitoring host only).
+CHECKS = (("promtool", "check", "config", f"{OURS}/prometheus.yml"),
+          ("amtool", "check-config", ALERTMANAGER))
+
+
+def run(doc: Plan | Mapping[str, Any], host: str, have: Mapping[str, Any], files: Mapping[str, str],
+        units: Iterable[str], secret_receivers: bool, check_mode: bool, ready_timeout: int) -> dict[str, Any]:
+    """What the role's one write (library/k31_files.py) does on `host`, from host_state's `have`:
+
+    writing   whether anything is written (a stale file or stale certificate copies);
+    dirs      the folders, where it writes;
+    files     the certificate's copies where they are stale (not in a dry run before k31_pki put the host's
+              certificate there), then every stale file but Alertmanager's when it names receivers' keys,
+    secret    that one, for a no_log run of its own;
+    checked   whether the host runs Prometheus or Alertmanager, whose configuration is checked (`checks`) between
+              the writes and the units' start, so they start in a run of their own;
+    units     each unit for k31_files (unit_actions);
+    wait      the URLs to wait for on the cluster address with the host's certificate, only after a change."""
+    plan = Plan.of(doc)
+    if not plan.pki:
+        raise ValueError("monitoring needs the cluster CA (the plan's pki), which this plan has not")
+    units = list(units)
+    secret = ALERTMANAGER if secret_receivers else ""
+    write = writes(have["stale"], files)
+    writing = bool(have["stale"]) or bool(have["tls_stale"])
+    copies = [{"src": src, "dest": dest, "mode": mode, "group": "prometheus"}
+              for src, dest, mode in zip((plan.pki.ca, plan.pki.cert, plan.pki.key), TLS_COPIES,
+                                         ("0644", "0644", "0640"), strict=True)]
+    changed = bool(have["idle"]) or writing
+    checked = "prometheus" in units or "prometheus-alertmanager" in units
+    return {
+        "writing": writing,
+        "dirs": folders(files) if writing else [],
+        "files": (copies if have["tls_stale"] and (have["pki_present"] or not check_mode) else [])
+                 + [w for w in write if w["dest"] != secret],
+        "secret": [w for w in write if w["dest"] == secret],
+        "checked": checked,
+        "checks": [list(c) for c in CHECKS] if "prometheus" in units else [],
+        "units": unit_actions(units, files),
+        "wait": {"urls": ready_urls(plan, host) if changed else [], "ca": plan.pki.ca, "cert": plan.pki.cert,
+                 "key": plan.pki.key, "timeout": int(ready_timeout)},
+    }

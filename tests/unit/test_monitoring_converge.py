@@ -6,9 +6,10 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
+from recipe_helpers import plan as resolve_plan
 from test_k31_files_units import k31_units
 
-from k31deploy.monitoring.converge import TLS_COPIES, folders, host_state, unit_actions, writes
+from k31deploy.monitoring.converge import TLS_COPIES, folders, host_state, run, unit_actions, writes
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("k31_filters", ROOT / "filter_plugins" / "k31.py")
@@ -94,9 +95,52 @@ def test_arguments_or_certificates_restart_configuration_reloads_and_otherwise_u
 
 def test_the_role_reaches_these_through_filters_each_with_its_doc_file():
     assert K31_FILTERS["k31_monitoring_host_state"](probe(), FILES, UNITS) == host_state(probe(), FILES, UNITS)
-    assert K31_FILTERS["k31_monitoring_folders"](FILES) == folders(FILES)
-    assert K31_FILTERS["k31_monitoring_writes"](list(FILES), FILES) == writes(list(FILES), FILES)
-    assert K31_FILTERS["k31_monitoring_unit_actions"](UNITS, FILES) == unit_actions(UNITS, list(FILES))
+    have = host_state(probe(), FILES, UNITS)
+    assert K31_FILTERS["k31_monitoring_run"](have, PLAN, MON, FILES, UNITS, "False", "False", "120") == run(
+        PLAN, MON, have, FILES, UNITS, False, False, 120)
     # every filter of filter_plugins/k31.py, these included: `ansible-doc -t filter NAME` documents it
     for name in K31_FILTERS:
         assert (ROOT / "filter_plugins" / f"{name}.yml").is_file(), name
+
+
+PLAN = resolve_plan(platform="mi355x", agents=48, monitoring="prometheus")
+MON = PLAN["monitoring"]["host"]
+
+
+def test_a_settled_host_writes_nothing_and_waits_for_nothing():
+    done = run(PLAN, MON, host_state(probe(), FILES, UNITS), FILES, UNITS, False, False, 120)
+    assert (done["writing"], done["dirs"], done["files"], done["secret"], done["wait"]["urls"]) == (
+        False, [], [], [], [])
+    assert done["checked"] and done["checks"][0][:3] == ["promtool", "check", "config"]
+    assert done["units"] == unit_actions(UNITS, list(FILES))
+
+
+def test_a_stale_file_is_written_with_the_folders_and_the_units_are_waited_for():
+    edited = {**FILES, "/etc/k31/monitoring/prometheus.yml": "global: {scrape_interval: 1m}\n"}
+    todo = run(PLAN, MON, host_state(probe(files=edited), FILES, UNITS), FILES, UNITS, False, False, 120)
+    assert todo["writing"] and todo["dirs"] == folders(FILES)
+    assert [f["dest"] for f in todo["files"]] == ["/etc/k31/monitoring/prometheus.yml"]
+    assert todo["wait"]["urls"] and todo["wait"]["ca"] == PLAN["pki"]["ca"] and todo["wait"]["timeout"] == 120
+
+
+def test_alertmanagers_configuration_with_receivers_keys_is_written_apart():
+    files = {**FILES, "/etc/k31/monitoring/alertmanager.yml": "receivers: [{name: pager}]\n"}
+    fresh = host_state(probe(files={}), files, UNITS)
+    quiet = run(PLAN, MON, fresh, files, UNITS, True, False, 120)
+    assert [f["dest"] for f in quiet["secret"]] == ["/etc/k31/monitoring/alertmanager.yml"]
+    assert "/etc/k31/monitoring/alertmanager.yml" not in [f["dest"] for f in quiet["files"]]
+    plain = run(PLAN, MON, fresh, files, UNITS, False, False, 120)
+    assert plain["secret"] == [] and "/etc/k31/monitoring/alertmanager.yml" in [f["dest"] for f in plain["files"]]
+
+
+def test_stale_certificate_copies_are_copied_but_not_in_a_dry_run_before_the_certificate_exists():
+    have = host_state([line for line in probe() if line != "pki-present"] + ["tls-stale host.crt"], FILES, UNITS)
+    copies = run(PLAN, MON, have, FILES, UNITS, False, False, 120)["files"]
+    assert [(c["src"], c["dest"], c["mode"]) for c in copies] == [
+        (PLAN["pki"]["ca"], TLS_COPIES[0], "0644"), (PLAN["pki"]["cert"], TLS_COPIES[1], "0644"),
+        (PLAN["pki"]["key"], TLS_COPIES[2], "0640")]
+    assert all(c["group"] == "prometheus" for c in copies)
+    assert run(PLAN, MON, have, FILES, UNITS, False, True, 120)["files"] == []    # --check, no certificate yet
+    node = {"prometheus-node-exporter": "--web.listen-address=..."}
+    exporter = run(PLAN, MON, host_state(probe(units=list(node)), FILES, node), FILES, node, False, False, 120)
+    assert not exporter["checked"] and exporter["checks"] == []
