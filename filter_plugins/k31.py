@@ -19,6 +19,7 @@ try:
     from k31deploy.monitoring import config as monitoring
     from k31deploy.monitoring import converge
     from k31deploy.paths import state_dir
+    from k31deploy.plan import Plan, Rank
     from k31deploy.recipe import from_mapping, resolve
     from k31deploy.recipe.hosts import K31_GROUPS, serves_image
 except ImportError as exc:  # pragma: no cover - only without the package installed
@@ -77,8 +78,9 @@ def k31_engine_command(rank: dict[str, Any], plan: dict[str, Any], runtime: str,
     """The command a rank's unit runs for the host's runtime (container, venv or the stand-in); a container
     runs `image` (k31_image_pinned) or else the plan's image."""
     try:
-        return launch.engine_command(plan, rank, runtime, env_file=env_file, container_cli=container_cli,
-                                     venv=venv, mounts=launch.model_mounts(plan) + launch.rank_mounts(plan, rank),
+        typed, one = Plan.of(plan), Rank.of(rank)    # read once for the command and its mounts
+        return launch.engine_command(typed, one, runtime, env_file=env_file, container_cli=container_cli,
+                                     venv=venv, mounts=launch.model_mounts(typed) + launch.rank_mounts(typed, one),
                                      extra_flags=extra_flags, image=image or None)
     except K31Error as exc:
         raise AnsibleFilterError(f"error: {exc}") from None

@@ -38,9 +38,9 @@ _UNIT_WORD = re.compile(r"[A-Za-z0-9._+@=/:,\[\]-]+", re.ASCII)
 
 def _dynamo(doc: Plan | dict[str, Any]) -> tuple[Service, Pki]:
     plan = Plan.of(doc)
-    if not plan.router or plan.router.kind != "dynamo" or not plan.pki:
+    if plan.router_kind != "dynamo" or not plan.router or not plan.pki:
         raise K31Error("Dynamo's etcd and NATS run only where the plan has router=dynamo (with the cluster CA); "
-                       f"this plan has router={plan.router.kind if plan.router else 'none'}")
+                       f"this plan has router={plan.router_kind or 'none'}")
     return plan.router, plan.pki
 
 

@@ -251,7 +251,7 @@ def rank_mounts(doc: Plan | dict[str, Any], rank_doc: Rank | dict[str, Any]) -> 
     and, behind Dynamo, the cluster CA's folder (its TLS certificate and key)."""
     plan, rank = Plan.of(doc), Rank.of(rank_doc)
     found = [rank.auth_file] if rank.auth_file else []
-    if plan.pki and plan.router and plan.router.kind == "dynamo":
+    if plan.pki and plan.router_kind == "dynamo":
         found.append(plan.pki.dir)
     return [f"{p}:{p}:ro" for p in found]
 

@@ -366,6 +366,11 @@ class Plan:
         raise K31Error(f"no rank of the plan runs as {unit}")
 
     @property
+    def router_kind(self) -> str | None:
+        """sglang | dynamo, None where clients reach the unified servers directly (router=none)."""
+        return self.router.kind if self.router else None
+
+    @property
     def engine_hosts(self) -> list[str]:
         """Every engine host once, in plan order."""
         return list(dict.fromkeys(r.host for s in self.servers for r in s.ranks))

@@ -202,7 +202,7 @@ def check_control_planes(plan: Plan, hosts: dict[str, Host], keys: dict[str, str
     if plan.pki or serving:
         missing = [name for name in plan_hosts(plan) if name in hosts
                    and not (hosts[name].has("k31_pki_ca_cert") and hosts[name].has("k31_pki_ca_key"))]
-        dynamo = bool(plan.router) and plan.router.kind == "dynamo"
+        dynamo = plan.router_kind == "dynamo"
         what = ("router=dynamo: its control planes (NATS, the request and response planes, the frontend) "
                 "authenticate with certificates of the k31 cluster CA" if dynamo else
                 "the engines' admin API (--admin-api-key) and the router's worker API (--control-plane-api-keys) "
@@ -226,10 +226,9 @@ def check_control_planes(plan: Plan, hosts: dict[str, Host], keys: dict[str, str
 def image_hosts(plan: Plan, groups: dict[str, list[str]], hosts: dict[str, Host]) -> list[Host]:
     """Hosts that run something from the serving image: k31_image_enabled where the inventory sets it, else the
     test roles/k31's _k31_serves_image asks too (k31deploy.recipe.hosts.serves_image), on the roles' defaults."""
-    kind = plan.router.kind if plan.router else None
     return [host for host in hosts.values()
             if (host.flag("k31_image_enabled") if host.has("k31_image_enabled") else
-                serves_image(host.name, groups, kind, host.text("k31_engine_runtime"),
+                serves_image(host.name, groups, plan.router_kind, host.text("k31_engine_runtime"),
                              host.text("k31_router_runtime"), host.text("k31_dynamo_runtime")))]
 
 
@@ -372,7 +371,7 @@ def prerequisites(doc: dict[str, Any], groups: dict[str, list[str]], hostvars: A
         return []
     plan = Plan.of(doc)
     defaults = role_defaults(playbook_dir)
-    names = [*plan_hosts(plan), *(["localhost"] if "localhost" not in plan_hosts(plan) else [])]
+    names = list(dict.fromkeys([*plan_hosts(plan), "localhost"]))
     hosts = {n: Host(n, hostvars, defaults) for n in names if n in hostvars}
     problems = Problems()
     try:

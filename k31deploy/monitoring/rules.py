@@ -152,7 +152,7 @@ def router_worker_urls(doc: Plan | dict[str, Any]) -> dict[str, list[str]]:
     """Worker URLs per role as the SGLang router is given them (its smg_worker_health `worker` label): each
     server's URL (recipe/argv.router_plan hands the router the same)."""
     plan = Plan.of(doc)
-    if not plan.router or plan.router.kind != "sglang":
+    if plan.router_kind != "sglang":
         return {}
     urls: dict[str, list[str]] = {}
     for server in plan.servers:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import tempfile
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ def plan_hosts(doc: Plan | dict[str, Any]) -> list[str]:
 def _pki(plan: Plan) -> dict[str, str]:
     if not plan.pki:
         raise K31Error("the plan names no cluster CA (pki) for a control plane that authenticates by certificate")
-    return {"dir": plan.pki.dir, "ca": plan.pki.ca, "cert": plan.pki.cert, "key": plan.pki.key}
+    return asdict(plan.pki)
 
 
 def alerts_spec(plan: Plan) -> dict[str, Any] | None:
@@ -187,7 +188,8 @@ def build_status(doc: Plan | dict[str, Any], answers: dict[str, dict[str, Any]])
         entry["alerts"] = [a["alert"] for a in alert_list if a["server"] == entry["name"] and a["state"] == "active"]
     planned = {r.unit for s in plan.servers for r in s.ranks} | ({router.unit} if router else set())
     processes = []
-    for host, answer in sorted(answers.items(), key=lambda item: plan_hosts(plan).index(item[0])):
+    order = plan_hosts(plan)
+    for host, answer in sorted(answers.items(), key=lambda item: order.index(item[0])):
         for unit, info in answer.get("units", {}).items():
             if unit not in planned:
                 row = {"host": host, **info}

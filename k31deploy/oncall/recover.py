@@ -253,7 +253,7 @@ def decide(doc: Plan | dict[str, Any], answers: dict[str, dict[str, Any]], now: 
     now = time.time() if now is None else now
     plan = Plan.of(doc)
     states = server_states(plan, answers, health_timeout)
-    drain = bool(plan.router) and plan.router.kind == "sglang"
+    drain = plan.router_kind == "sglang"
     start = [n for n, s in states.items() if s["state"] == "stopped" and n not in skip]
     wait = [n for n, s in states.items() if s["state"] == "loading" and n not in skip]
     stale = stale_prefills(states)

@@ -115,7 +115,7 @@ def rollout(doc: Plan | dict[str, Any], targets: list[str] | None = None, batch:
     steps += [_step(by_name[n], "target") for n in named if by_name[n].role == "unified"]
 
     router = plan.router
-    drain = bool(router) and router.kind == "sglang"
+    drain = plan.router_kind == "sglang"
     all_decodes = [s.name for s in plan.servers if s.role == "decode"]
     # A restarted decode waits out of the router until its prefills restarted (no request meets a stale
     # mapping) -- possible only while a decode this run leaves alone keeps serving.
@@ -132,7 +132,7 @@ def rollout(doc: Plan | dict[str, Any], targets: list[str] | None = None, batch:
                      "those prefills restarted" if hold else
                      "every decode server restarts, so each rejoins the router after its health gate; until the "
                      "prefills restarted, requests through it may meet a stale mapping")
-    if router and router.kind == "dynamo":
+    if plan.router_kind == "dynamo":
         notes.append("router kind dynamo: each worker drains itself -- on SIGTERM it leaves discovery, finishes its "
                      "in-flight requests and then exits (dynamo.sglang's graceful shutdown), so rank 0 is stopped "
                      "first and the stop waits for it (k31_engine_dynamo_stop_timeout)")

@@ -87,6 +87,8 @@ def test_records_answer_what_consumers_ask():
     assert Rank.of(doc["servers"][0]["ranks"][0]) == plan.servers[0].ranks[0]
     assert Server.of(doc["servers"][0]) == plan.servers[0]
     assert plan.knob("kv_offload") == "mooncake" and plan.knob("not_a_knob", 7) == 7
+    assert [Plan.of(resolve_plan(**SHAPES[n])).router_kind for n in ("gb300 pd dynamo", "b300 unified no router")] \
+        == ["dynamo", None] and plan.router_kind == "sglang"
 
 
 def test_the_plan_is_read_only():
