@@ -3,9 +3,10 @@
 document; the controller appends a line calling cli() with what to probe on every host). k31_engine,
 k31_redeploy and k31_router install it as /usr/local/lib/k31/k31_probe.py: the engines' health gate and the PD
 watcher import its HTTP and systemd calls (request(), health(), unit_props(), drain(), rejoin(), idle()), and a
-redeploy step runs it with `--call ACTION` on the router host (drain, rejoin), the engine host (stop, start,
-restore; rank 0's stop first waits for its requests in flight, its start and restore end with the health gate,
-k31-engine-gate, installed beside it) and the lock host (lock: take, renew, release).
+redeploy step runs it with `--call ACTION` on the router host (drain, rejoin), the engine host (roll: the whole
+step of a server on one host; stop, start, restore for a server on several; rank 0's stop first waits for its
+requests in flight, its start and restore end with the health gate, k31-engine-gate, installed beside it) and
+the lock host (lock: take, renew, release).
 
 Standard library only and Python 3.8-compatible: hosts have nothing of k31 but what the roles put there.
 """
@@ -330,11 +331,12 @@ def health_gate(args):
 def step(action, spec):
     """A redeploy step's calls on one engine host: {"ok", "reason", and "idle" or "gate" when they ran}. spec
     {"units", "files": [{"live", "staged", "prev"}] (rollout.step_files), "stage_dir", "rollout": whether this step
-    rolls out a new version; rank 0 only: "idle" (wait_idle's spec) and "gate" (k31-engine-gate's arguments)}.
+    rolls out a new version; rank 0 only: "idle" (wait_idle's spec) and "gate" (k31-engine-gate's arguments);
+    "journal": how many log lines per unit a failed start or restore quotes (0: none)}.
     stop: waits for the requests in flight (they finish; the stop goes on after the idle timeout), a rollout keeps
-    the running version as .prev, then the units stop. start: a rollout puts the staged files that differ in place
-    and drops the stage, the units start, then the gate waits for /health. restore: the .prev copies go back, the
-    units restart on them, then the gate."""
+    the running version as .prev, then the units stop. start: a rollout puts the staged files that differ in place,
+    the stage is dropped (a restart for the PD rule puts nothing in place), the units start, then the gate waits for
+    /health. restore: the .prev copies go back, the units restart on them, then the gate."""
     out = {}
     if action == "stop" and spec.get("idle"):
         out["idle"] = wait_idle(spec["idle"])
@@ -342,13 +344,52 @@ def step(action, spec):
     if not reason and action != "stop" and spec.get("gate"):
         out["gate"] = health_gate(spec["gate"])
         reason = "" if out["gate"].get("ok") else out["gate"].get("reason") or "the health gate failed"
+    if reason and action != "stop" and int(spec.get("journal") or 0) > 0:
+        reason = journal(spec["units"], int(spec["journal"]), reason)
     return {"ok": not reason, "reason": reason, **out}
+
+
+def journal(units, lines, reason):
+    """`reason`, then the units' last log lines interleaved in time order (one rank's failure often shows in
+    another's log): what a failed start or restore reports."""
+    rc, text = run(["journalctl", "--no-pager", "-n", str(lines * len(units)), *("--unit=" + u for u in units)])
+    return f"{reason}. Last log lines:\n{text if rc == 0 else 'journalctl failed: ' + text}"
+
+
+def roll(spec):
+    """A whole server step on one engine host, in one call: step()'s stop; and where the server has no rank on
+    another host ("start": true), its start with the gate, on a failed rollout the restore with its own gate
+    ("restore_gate", the roll-back's timeout), and, for a prefill that came back on either version, the release of
+    this host's k31-pd-follow hold ("release": its path; the prefill's PD restart is done). A server on several hosts
+    stops here and starts in a call of its own once every host stopped. {"ok", "reason", "stopped", and "idle",
+    "gate", "rollback": {"ok", "reason"}, "released" when they ran}."""
+    out = step("stop", spec)
+    out["stopped"] = out["ok"]
+    if not out["ok"] or not yes(spec.get("start")):
+        return out
+    started = step("start", spec)
+    out.update(started)
+    back_ok = False
+    if not started["ok"] and yes(spec.get("rollout")):
+        back = step("restore", dict(spec, gate=spec.get("restore_gate") or []))
+        out["rollback"] = {"ok": back["ok"], "reason": back["reason"]}
+        back_ok = back["ok"]
+    if spec.get("release") and (started["ok"] or back_ok):
+        out["released"] = os.path.lexists(spec["release"])
+        if out["released"]:
+            os.remove(spec["release"])
+    return out
+
+
+def yes(value):
+    """A spec's flag: true as JSON or as Ansible templated it into text."""
+    return value in (True, "true", "True")
 
 
 def swap(action, spec):
     """step()'s file swap and unit calls: "" when done, else why not."""
     files, units = spec.get("files", []), list(spec["units"])
-    rollout = spec.get("rollout") in (True, "true", "True")
+    rollout = yes(spec.get("rollout"))
     if action == "stop":
         for f in files if rollout else []:
             if os.path.lexists(f["prev"]):
@@ -362,7 +403,7 @@ def swap(action, spec):
             if os.path.exists(f["staged"]) and not same(f["staged"], f["live"]):
                 put(f["staged"], f["live"])
                 placed.append(f["live"])
-        if rollout:
+        if spec.get("stage_dir"):
             shutil.rmtree(spec["stage_dir"], ignore_errors=True)
         # systemd rereads a unit only on a reload: needed where a file changed (a plain restart staged none)
         why = systemctl("daemon-reload") if placed else ""
@@ -416,11 +457,11 @@ def call_cli(action, spec):
     """One step of k31 redeploy run on a host, its spec on stdin: drain or rejoin on the router host, which asks its
     own router (public_tls: the site's certificate, not checked here) with the key it checks, read from its env
     file, as is the key a re-added worker's entry carries (the one the router sends its workers) --
-    {"router", "auth", "timeout", "worker_url" | "worker"}; stop,
+    {"router", "auth", "timeout", "worker_url" | "worker"}; roll (roll()), stop,
     start or restore on an engine host (step()), or there only idle (wait_idle(): the repair's drained prefill);
     lock on the lock host (lock()); silence on the monitoring host (silence(): its "auth" is the host's cluster
-    certificate). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate", silence()'s "id"); exit 1 when not
-    ok."""
+    certificate). Prints {"ok", "reason", "at"} (and step()'s "idle" or "gate", roll()'s, silence()'s "id"); exit 1
+    when not ok."""
     key = router_key(spec.get("auth"))
     headers = {"Authorization": "Bearer " + key} if key else {}
     context = cluster_tls({"own_tls": True}) if spec.get("router", "").startswith("https:") else None
@@ -432,6 +473,8 @@ def call_cli(action, spec):
     timeout = float(spec.get("timeout", 30))
     if action in ("stop", "start", "restore"):
         out = step(action, spec)
+    elif action == "roll":
+        out = roll(spec)
     elif action == "lock":
         out = {"reason": lock(spec)}
     elif action == "idle":
@@ -559,7 +602,7 @@ def cli(spec):
     return main(spec, sys.argv[1])
 
 
-CALLS = ("drain", "rejoin", "stop", "start", "restore", "idle", "lock", "silence")
+CALLS = ("drain", "rejoin", "stop", "start", "restore", "roll", "idle", "lock", "silence")
 
 
 # k31_redeploy runs the installed file (argv: --call CALL, the spec on stdin), and its repair ships this

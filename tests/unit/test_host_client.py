@@ -239,6 +239,8 @@ def host(tmp_path):
     (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
                                        f'[ "$1" = start ] && [ -e {tmp_path}/refuse-start ] && exit 1\nexit 0\n')
     (bin_dir / "systemctl").chmod(0o755)
+    (bin_dir / "journalctl").write_text('#!/bin/sh\necho "journal $*"\n')
+    (bin_dir / "journalctl").chmod(0o755)
     (tmp_path / "gate.json").write_text('{"ok": true, "seconds": 0.1, "healthy": ["k31-d0-r0"], "reason": ""}')
     (lib / "k31-engine-gate").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/gate.calls\ncat {tmp_path}/gate.json\n'
                                          f'grep -q \'"ok": true\' {tmp_path}/gate.json\n')
@@ -300,7 +302,8 @@ def test_a_restart_for_the_pd_rule_touches_no_file_and_a_refused_start_says_so(h
     before = {f["live"]: Path(f["live"]).read_text() for f in files}
     assert call("stop", rollout=False)[0] == 0 and call("start", rollout="False")[0] == 0
     assert {f["live"]: Path(f["live"]).read_text() for f in files} == before
-    assert not any(Path(f["prev"]).exists() for f in files) and (tmp_path / "stage").exists()
+    # what the prepare play staged is not put in place, and not left behind (it may hold secrets)
+    assert not any(Path(f["prev"]).exists() for f in files) and not (tmp_path / "stage").exists()
     assert systemctl_calls() == ["stop k31-d0-r0", "start k31-d0-r0"]
     (tmp_path / "refuse-start").touch()
     rc, out = call("start", rollout=False)
@@ -363,6 +366,60 @@ def test_rank_0_ends_its_start_and_restore_with_the_health_gate_and_a_failed_gat
     (tmp_path / "refuse-start").unlink()
     rc, out = call("start", rollout=False, gate=gate)
     assert rc == 1 and out["reason"].startswith(str(tmp_path / "lib" / "k31-engine-gate") + " exited 1")
+
+
+def test_a_server_on_one_host_rolls_in_one_call_and_its_prefill_watcher_is_released(host):
+    """`--call roll` with "start": the step's stop, start and gate in one SSH round trip; a prefill's hold goes
+    once it is back."""
+    call, files, systemctl_calls, tmp_path = host
+    hold = tmp_path / "pd-follow.hold"
+    hold.write_text("900\n")
+    gate = ["--timeout", "60", "--target=k31-d0-r0=http://10.0.0.2:30000/health", "--watch=k31-d0-r0"]
+    rc, out = call("roll", start=True, gate=gate, restore_gate=["--timeout", "5"], journal=40, release=str(hold))
+    assert (rc, out["ok"], out["stopped"], out["released"], out["gate"]["ok"]) == (0, True, True, True, True)
+    assert "rollback" not in out and not hold.exists() and not (tmp_path / "stage").exists()
+    assert [Path(f["live"]).read_text() for f in files] == ["v2 k31-d0-r0.env\n", "v2 k31-d0-r0.sh\n"]
+    assert systemctl_calls() == ["stop k31-d0-r0", "daemon-reload", "start k31-d0-r0"]
+    assert (tmp_path / "gate.calls").read_text().split() == gate
+
+
+def test_a_rollout_that_fails_its_gate_rolls_back_in_the_same_call_and_quotes_the_journal(host):
+    call, files, systemctl_calls, tmp_path = host
+    hold = tmp_path / "pd-follow.hold"
+    hold.write_text("900\n")
+    (tmp_path / "gate.json").write_text('{"ok": false, "reason": "k31-d0-r0 did not answer /health in 60 s"}')
+    gate, back = ["--timeout", "60", "--watch=k31-d0-r0"], ["--timeout", "7", "--watch=k31-d0-r0"]
+    rc, out = call("roll", start=True, gate=gate, restore_gate=back, journal=40, release=str(hold))
+    assert (rc, out["ok"], out["stopped"]) == (1, False, True)
+    assert out["reason"] == ("k31-d0-r0 did not answer /health in 60 s. Last log lines:\n"
+                             "journal --no-pager -n 40 --unit=k31-d0-r0\n")
+    # the roll-back's gate failed too (gate.json): its reason, and the watcher stays held
+    assert out["rollback"]["ok"] is False and out["rollback"]["reason"].startswith("k31-d0-r0 did not answer")
+    assert [Path(f["live"]).read_text() for f in files] == ["v1 k31-d0-r0.env\n", "v1 k31-d0-r0.sh\n"]
+    assert hold.exists() and "released" not in out
+    assert (tmp_path / "gate.calls").read_text().split() == gate + back
+    assert systemctl_calls() == ["stop k31-d0-r0", "daemon-reload", "start k31-d0-r0", "daemon-reload",
+                                 "restart k31-d0-r0"]
+    # a roll-back that comes back healthy releases the watcher (the prefill is back on its old version)
+    (tmp_path / "gate.calls").write_text("")
+    (tmp_path / "ok.json").write_text('{"ok": true}')
+    (tmp_path / "lib" / "k31-engine-gate").write_text(
+        f'#!/bin/sh\necho "$*" >> {tmp_path}/gate.calls\n'
+        f'case "$*" in *"--timeout 7"*) cat {tmp_path}/ok.json; exit 0;; esac\ncat {tmp_path}/gate.json\nexit 1\n')
+    rc, out = call("roll", start=True, gate=gate, restore_gate=back, journal=0, release=str(hold))
+    assert (rc, out["reason"], out["rollback"], out["released"]) == (
+        1, "k31-d0-r0 did not answer /health in 60 s", {"ok": True, "reason": ""}, True)
+    assert not hold.exists()
+
+
+def test_a_server_on_several_hosts_only_stops_in_its_roll_and_a_failed_stop_goes_no_further(host):
+    call, _, systemctl_calls, tmp_path = host
+    rc, out = call("roll", start=False, release=str(tmp_path / "hold"))
+    assert (rc, out["stopped"], out["ok"]) == (0, True, True) and "gate" not in out
+    assert systemctl_calls() == ["stop k31-d0-r0"] and (tmp_path / "stage").exists()
+    (tmp_path / "bin" / "systemctl").write_text("#!/bin/sh\necho refused >&2\nexit 1\n")
+    rc, out = call("roll", start=True)
+    assert (rc, out["stopped"], out["reason"]) == (1, False, "systemctl stop k31-d0-r0 failed: refused")
 
 
 @pytest.fixture

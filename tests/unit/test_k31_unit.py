@@ -196,16 +196,15 @@ def test_the_watched_digests_are_read_raw_through_a_shell_as_sha256sum_prints_th
 
 def test_no_role_reads_another_roles_internal_facts():
     """A role's `_k31_<role>_` facts are its own: the others read the plan and the shared facts of roles/k31 (its
-    vars), and what k31_unit's journal hands back. (A fact set in an earlier play and read by a later role is lost
+    vars). (A fact set in an earlier play and read by a later role is lost
     when a run stops between them: the host certificate's restart was.)"""
     shared = {name for name in yaml.safe_load((ROOT / "roles/k31/vars/main.yml").read_text())}
-    handed_back = {"_k31_unit_journal_text"}
     strays = []
     for role in sorted(p for p in (ROOT / "roles").iterdir() if p.is_dir()):
         own = "_" + role.name
         for path in sorted(f for f in role.rglob("*") if f.is_file() and f.suffix in {".yml", ".j2"}):
             for name in set(re.findall(r"\b_k31_[a-z0-9_]+", path.read_text(encoding="utf-8"))):
-                if name != own and not name.startswith(own + "_") and name not in shared | handed_back:
+                if name != own and not name.startswith(own + "_") and name not in shared:
                     strays.append(f"{path.relative_to(ROOT)}: {name}")
     assert not strays, strays
 
