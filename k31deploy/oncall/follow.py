@@ -184,9 +184,7 @@ class Follower:
         if not self._wait(f"{drain['health']} to answer 200", lambda: self.host.healthy(drain["health"]),
                           float(self.cfg.get("health_timeout", 3600))):
             return  # left out of the router: a prefill that never came back must not take requests
-        body = {"url": drain["worker_url"], "worker_type": "prefill"}
-        if drain.get("bootstrap_port"):
-            body["bootstrap_port"] = int(drain["bootstrap_port"])
+        body = dict(drain["worker"])    # the router's entry for this prefill (rollout.worker_entry)
         # The router calls a worker it is given with that worker's api_key (its /model_info): the engines' key, as
         # the router's own --api-key gives the workers it starts with. Without it /v1/models says "unknown".
         if self.cfg.get("engine_api_key"):

@@ -63,6 +63,17 @@ def expand_targets(doc: Plan | dict[str, Any], targets: list[str] | None) -> lis
     return [name for name in servers if name in wanted]
 
 
+def worker_entry(server: Server) -> dict[str, Any]:
+    """The SGLang router's entry for the server (POST /workers, a re-add): its URL, a PD worker's type and a
+    prefill's bootstrap port; the router host's client adds the key the router sends its workers."""
+    entry: dict[str, Any] = {"url": server.url}
+    if server.role != "unified":
+        entry["worker_type"] = server.role
+    if server.role == "prefill" and server.bootstrap_port:
+        entry["bootstrap_port"] = int(server.bootstrap_port)
+    return entry
+
+
 def _step(doc: Server | dict[str, Any], reason: str) -> dict[str, Any]:
     server = Server.of(doc)
     rank0 = server.ranks[0]
@@ -70,9 +81,7 @@ def _step(doc: Server | dict[str, Any], reason: str) -> dict[str, Any]:
         "name": server.name, "role": server.role, "reason": reason,
         "hosts": [r.host for r in server.ranks], "rank0_host": rank0.host,
         "units": [r.unit for r in server.ranks], "port": server.port,
-        "worker_url": server.url,
-        "worker_type": "regular" if server.role == "unified" else server.role,
-        "bootstrap_port": server.bootstrap_port,
+        "worker_url": server.url, "worker": worker_entry(server),
         "health_url": http(rank0.address, server.port, "/health"),    # where the engine binds
         "load_url": http(rank0.address, server.port, "/get_load"),
         "auth_file": rank0.auth_file,    # the key the running engine checks, read on its host
@@ -182,7 +191,7 @@ def follow_config(doc: Plan | dict[str, Any], host: str, **settings: Any) -> dic
         if rank.node_rank == 0 and router and router.kind == "sglang":
             drains.append({"router": router_url(router),
                            "router_ca": router.tls["ca"] if router.tls else None,
-                           "worker_url": server.url, "bootstrap_port": server.bootstrap_port,
+                           "worker_url": server.url, "worker": worker_entry(server),
                            "health": http(rank.address, server.port, "/health"),
                            "load": http(rank.address, server.port, "/get_load")})
     own = {s.name for _, s, _ in mine}

@@ -453,6 +453,7 @@ def test_c_a_version_that_never_gets_healthy_rolls_back_by_itself(cluster):
     out = proc.stdout
     assert "decode0: rolled_back" in out and "did not answer /health within 10 s" in out, out[-3000:]
     assert "rolled back to the previous unit, env file and launch script" in out
+    assert "did not answer /health within 10 s. Last log lines:\n" in out    # the host-side client quotes the journal
     # The previous env file is back (the new one said K31_STANDIN_LOAD_SECONDS=100000) and serves.
     assert sh("decode0", f"cat {env_file}") == good
     assert "K31_STANDIN_LOAD_SECONDS=100000" not in good

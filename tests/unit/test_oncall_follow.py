@@ -70,8 +70,9 @@ CONFIG = {
     "units": ["k31-p0-r0"], "index": 0, "peers": [PEER], "poll_seconds": 1, "settle_seconds": 60,
     "stagger_seconds": 10, "drain_timeout": 30, "health_timeout": 30,
     "decodes": [{"name": "d0", "health": "http://d0:30100/health"}, {"name": "d1", "health": "http://d1:30100/health"}],
-    "drains": [{"router": ROUTER, "worker_url": ME, "bootstrap_port": 8998, "health": "http://127.0.0.1:30000/health",
-                "load": "http://127.0.0.1:30000/get_load"}],
+    "drains": [{"router": ROUTER, "worker_url": ME,
+                "worker": {"url": ME, "worker_type": "prefill", "bootstrap_port": 8998},
+                "health": "http://127.0.0.1:30000/health", "load": "http://127.0.0.1:30000/get_load"}],
 }
 
 

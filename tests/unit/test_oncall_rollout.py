@@ -103,8 +103,11 @@ def test_steps_carry_the_url_the_router_knows_the_server_by():
     r = rollout(plan, ["d0"])
     d0, p0 = r["steps"]["d0"], r["steps"]["p0"]
     assert d0["worker_url"] in router_argv and p0["worker_url"] in router_argv
-    assert (d0["worker_type"], d0["bootstrap_port"]) == ("decode", None)
-    assert (p0["worker_type"], p0["bootstrap_port"]) == ("prefill", 8998)
+    # the router's entry a re-add posts: a PD worker's type, a prefill's bootstrap port, a unified server neither
+    assert d0["worker"] == {"url": d0["worker_url"], "worker_type": "decode"}
+    assert p0["worker"] == {"url": p0["worker_url"], "worker_type": "prefill", "bootstrap_port": 8998}
+    u0 = next(iter(rollout(unified_plan())["steps"].values()))
+    assert u0["worker"] == {"url": u0["worker_url"]}
     # probed where each binds: the engine's cluster address, the router's public one
     d0_addr = next(s for s in plan["servers"] if s["name"] == "d0")["ranks"][0]["address"]
     assert d0["health_url"] == f"http://{d0_addr}:30100/health" and d0["units"] == ["k31-d0-r0"]
@@ -132,7 +135,8 @@ def test_follow_config_only_on_prefill_hosts():
     assert [d["health"] for d in cfg["decodes"]] == ["http://10.0.1.1:30100/health", "http://10.0.1.2:30100/health"]
     (drain,) = cfg["drains"]
     assert drain["router"] == "http://10.0.9.1:8000" and drain["worker_url"] == "http://10.0.0.2:30000"
-    assert drain["bootstrap_port"] == 8998 and cfg["peers"] == ["http://10.0.0.1:30000"]
+    assert drain["worker"] == {"url": drain["worker_url"], "worker_type": "prefill", "bootstrap_port": 8998}
+    assert cfg["peers"] == ["http://10.0.0.1:30000"]
 
 
 def test_follow_config_without_sglang_router_does_not_drain():
