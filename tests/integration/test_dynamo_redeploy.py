@@ -32,7 +32,7 @@ SHAPE = "gb300-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 SERVERS = ("decode0", "decode1", "prefill0", "prefill1")
 # The server step's start: one host-side call per rank, whose answer carries the health gate's on rank 0 only.
-START = "Put the staged files in place, start the ranks, on rank 0 gate on /health (fails at once on a crash loop)"
+START = "Start a server on several hosts (a rollout's staged files first; rank 0 gates on /health)"
 # The stand-ins' timing model (group_vars, so deploy and redeploy render the same): 160 tokens stream ~4 s.
 TIMING = {"k31_engine_standin_ttft_base_ms": 300, "k31_engine_standin_ttft_per_1k_prompt_tokens_ms": 200,
           "k31_engine_standin_token_ms": 25}
