@@ -355,12 +355,11 @@ def problems(doc: Plan | dict[str, Any], answers: dict[str, dict[str, Any]], ver
     return out
 
 
-def restart_calls(step: dict[str, Any], drain: dict[str, Any] | None, gate: dict[str, Any]) -> dict[str, list]:
-    """A plain restart of one server (a stale prefill the repair restarts for the PD rule) as the host-side client's
-    stop and start calls, the redeploy's own (probe.step, nothing staged): {"stop": [[host, spec], ...] rank 0's host
-    first, its stop waiting for the requests in flight where the server was drained (`drain`: idle_spec's timeout
-    and not_before); "start": rank 0's host last, where the health gate (`gate`: timeout, quick, interval,
-    max_restarts) waits for /health while the other hosts' ranks are already up."""
+def _host_calls(step: dict[str, Any], drain: dict[str, Any] | None, gate: dict[str, Any]) -> dict[str, list]:
+    """A plain restart's stop and start specs per host (probe.step, nothing staged): {"stop": [[host, spec], ...]
+    rank 0's host first, its stop waiting for the requests in flight where the server was drained (`drain`:
+    idle_spec's timeout and not_before); "start": rank 0's host last, where the health gate (`gate`: timeout, quick,
+    interval, max_restarts) waits for /health while the other hosts' ranks are already up}."""
     hosts = list(dict.fromkeys([step["rank0_host"], *step["hosts"]]))
     units = {h: [u for host, u in zip(step["hosts"], step["units"], strict=True) if host == h] for h in hosts}
 
@@ -374,9 +373,22 @@ def restart_calls(step: dict[str, Any], drain: dict[str, Any] | None, gate: dict
                      + [[rank0, spec(rank0, gate=gate_args(step, units[rank0], **gate))]]}
 
 
+def restart_calls(step: dict[str, Any], drain: dict[str, Any] | None, gate: dict[str, Any]) -> dict[str, list]:
+    """A plain restart of one server (a stale prefill the repair restarts for the PD rule) as the host-side client's
+    calls, the redeploy's own: {"stop": [[host, call, spec], ...], "start": [...]}, each list in order. A server on
+    one host is one `roll` (its stop, then its start and gate) and nothing to start after; one on several hosts
+    stops on every host, rank 0's first, before any starts, rank 0's last and gated there (_host_calls)."""
+    calls = _host_calls(step, drain, gate)
+    if len(calls["stop"]) == 1:
+        (host, stop), (_, start) = calls["stop"][0], calls["start"][0]
+        return {"stop": [[host, "roll", {**stop, "gate": start["gate"], "start": True}]], "start": []}
+    return {"stop": [[h, "stop", spec] for h, spec in calls["stop"]],
+            "start": [[h, "start", spec] for h, spec in calls["start"]]}
+
+
 def resume_calls(doc: dict[str, Any], steps: dict[str, dict[str, Any]], gate: dict[str, Any]) -> list[list]:
     """What brings back the servers an interrupted redeploy stopped (decide's `start`) and waits for those loading
-    (`wait`): each server's start calls (restart_calls: rank 0's host last, gated there), as [host, spec, whether
+    (`wait`): each server's start calls (_host_calls: rank 0's host last, gated there), as [host, spec, whether
     it starts a stopped server]. A loading server's start is systemd's no-op for an active unit: it only gates."""
     return [[host, spec, name in doc["start"]] for name in [*doc["start"], *doc["wait"]]
-            for host, spec in restart_calls(steps[name], None, gate)["start"]]
+            for host, spec in _host_calls(steps[name], None, gate)["start"]]

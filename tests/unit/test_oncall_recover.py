@@ -627,14 +627,17 @@ def test_a_stale_prefill_restarts_through_the_host_side_clients_stop_and_start()
     idle = {"load_url": step["load_url"], "auth_file": step["auth_file"], "timeout": 30, "not_before": NOW + 1}
     calls = recover.restart_calls(step, {"timeout": "30", "not_before": NOW + 1}, GATE)
     plain = {"units": ["k31-p0-r0"], "files": [], "stage_dir": "", "rollout": False}
+    # a prefill on one host: one call, the client's roll (stop, start, gate), nothing started after it
     assert calls == {
-        "stop": [["p0", {**plain, "idle": idle}]],
-        "start": [["p0", {**plain, "gate": ["--timeout", "900", "--quick", "10", "--interval", "2",
-                                            "--max-restarts", "3",
-                                            f"--target=k31-p0-r0={URL['p0']}/health",
-                                            "--watch=k31-p0-r0"]}]]}
+        "stop": [["p0", "roll", {**plain, "idle": idle, "start": True,
+                                 "gate": ["--timeout", "900", "--quick", "10", "--interval", "2", "--max-restarts", "3",
+                                          f"--target=k31-p0-r0={URL['p0']}/health", "--watch=k31-p0-r0"]}]],
+        "start": []}
     # undrained (no router): the stop waits for nothing
-    assert "idle" not in recover.restart_calls(step, None, GATE)["stop"][0][1]
+    assert "idle" not in recover.restart_calls(step, None, GATE)["stop"][0][2]
+    # the repair's resume starts and gates the same server with the client's start alone
+    assert recover.resume_calls({"start": ["p0"], "wait": []}, {"p0": step}, GATE) == [
+        ["p0", {**plain, "gate": calls["stop"][0][2]["gate"]}, True]]
 
 
 def test_a_prefill_over_two_hosts_stops_rank0_first_and_starts_it_last_gated_there():
@@ -642,11 +645,11 @@ def test_a_prefill_over_two_hosts_stops_rank0_first_and_starts_it_last_gated_the
             "units": ["k31-prefill0-r0", "k31-prefill0-r1", "k31-prefill0-r2"],
             "health_url": "http://10.0.0.1:30000/health", "load_url": "http://10.0.0.1:30000/get_load"}
     calls = recover.restart_calls(step, {"timeout": 30}, GATE)
-    assert [(h, s["units"], "idle" in s) for h, s in calls["stop"]] == [
-        ("a", ["k31-prefill0-r0"], True), ("b", ["k31-prefill0-r1", "k31-prefill0-r2"], False)]
-    assert [(h, s.get("gate", [])[-1:]) for h, s in calls["start"]] == [
-        ("b", []), ("a", ["--watch=k31-prefill0-r0"])]
+    assert [(h, c, s["units"], "idle" in s) for h, c, s in calls["stop"]] == [
+        ("a", "stop", ["k31-prefill0-r0"], True), ("b", "stop", ["k31-prefill0-r1", "k31-prefill0-r2"], False)]
+    assert [(h, c, s.get("gate", [])[-1:]) for h, c, s in calls["start"]] == [
+        ("b", "start", []), ("a", "start", ["--watch=k31-prefill0-r0"])]
     # a plain restart: nothing kept as .prev, nothing staged put in place or removed
-    assert all(s["files"] == [] and s["rollout"] is False for _, s in calls["stop"] + calls["start"])
+    assert all(s["files"] == [] and s["rollout"] is False for _, _, s in calls["stop"] + calls["start"])
     # the probe's step() runs exactly these: a stop with no rollout only stops the units
     assert probe.CALLS.count("stop") == 1 and probe.CALLS.count("start") == 1
