@@ -80,6 +80,8 @@ def _step(doc: Server | dict[str, Any], reason: str) -> dict[str, Any]:
     return {
         "name": server.name, "role": server.role, "reason": reason,
         "hosts": [r.host for r in server.ranks], "rank0_host": rank0.host,
+        # every rank on rank 0's host: the host-side client's roll stops, starts and gates it in one call
+        "one_host": all(r.host == rank0.host for r in server.ranks),
         "units": [r.unit for r in server.ranks], "port": server.port,
         "worker_url": server.url, "worker": worker_entry(server),
         "health_url": http(rank0.address, server.port, "/health"),    # where the engine binds

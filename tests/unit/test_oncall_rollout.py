@@ -91,6 +91,7 @@ def test_multinode_servers_move_in_one_batch():
     r = rollout(gb300_plan(), ["decode0"])
     decode = r["steps"]["decode0"]
     assert decode["hosts"] == ["decode0-t0", "decode0-t1"] and decode["rank0_host"] == "decode0-t0"
+    assert decode["one_host"] is False    # stops on both trays before either starts: no one-call roll
     assert r["order"] == ["decode0", "prefill0"] and r["serial"] == [2, 2]
     assert r["drain"] is False and r["hold_decodes"] is False
     # no worker API to drain through: each Dynamo worker drains itself on SIGTERM, rank 0 first
@@ -111,6 +112,7 @@ def test_steps_carry_the_url_the_router_knows_the_server_by():
     # probed where each binds: the engine's cluster address, the router's public one
     d0_addr = next(s for s in plan["servers"] if s["name"] == "d0")["ranks"][0]["address"]
     assert d0["health_url"] == f"http://{d0_addr}:30100/health" and d0["units"] == ["k31-d0-r0"]
+    assert d0["one_host"] is True and p0["one_host"] is True
     assert r["router"]["host"] == "r0" and r["router"]["url"] == f"http://{plan['router']['public_address']}:8000"
 
 
