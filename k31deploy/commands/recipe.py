@@ -9,6 +9,8 @@ from typing import Any
 
 from k31deploy.catalog import STRATEGY_KNOB, cell_layout
 from k31deploy.engine import lane
+from k31deploy.errors import K31Error
+from k31deploy.inventory import load_hosts
 from k31deploy.recipe import catalog, iter_cells, knob_specs, layout_text, parse_sets, resolve
 from k31deploy.recipe.knobs import coerce
 from k31deploy.recipe.resolver import cell_digest
@@ -51,8 +53,6 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def plan_from_args(args: argparse.Namespace, *, require_image: bool = False) -> dict[str, Any]:
     hosts = None
     if args.inventory:
-        from k31deploy.inventory import load_hosts
-
         hosts = load_hosts(args.inventory)
     return resolve(knobs_from_args(args), hosts, require_image=require_image, resolve_names=require_image)
 
@@ -145,8 +145,6 @@ def cmd_catalog(args: argparse.Namespace) -> int:
         print(knob_table())
         return 0
     if args.platform and args.platform not in catalog()["platforms"]:
-        from k31deploy.errors import K31Error
-
         raise K31Error(f"platform={args.platform} is not valid; valid platforms: {', '.join(catalog()['platforms'])}")
     rows = catalog_rows(args.platform)
     if args.json:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from k31deploy.sandbox import cluster
+from k31deploy.sandbox import cluster, serving
 from k31deploy.sandbox.shapes import DEFAULT_SHAPE, load_shapes, resolve_shape
 
 DEFAULT_NAME = "default"
@@ -59,10 +60,6 @@ def _status(args: argparse.Namespace) -> int:
 def _image(args: argparse.Namespace) -> int:
     pushed = cluster.push_image(args.name, args.revision, args.broken, _log)
     if args.save:
-        from pathlib import Path
-
-        from k31deploy.sandbox import serving
-
         pushed.update(serving.save(pushed["local"], Path(args.save), pushed["tag"]))
     print(json.dumps(pushed))
     return 0

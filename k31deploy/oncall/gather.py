@@ -19,7 +19,7 @@ from k31deploy.monitoring.config import api_url
 from k31deploy.oncall import recover
 from k31deploy.oncall.rollout import http, router_auth, router_url, server_step
 from k31deploy.plan import Plan, Rank
-from k31deploy.runner import driver
+from k31deploy.runner import driver, records
 
 PROBE = Path(__file__).with_name("probe.py")
 TASK_TIMEOUT_S = 20
@@ -360,8 +360,6 @@ def logs(plan: Plan | dict[str, Any], inventory: list[str], server: str | None, 
         for unit, text in answer.get("logs", {}).items():
             if wanted is None or unit in wanted.get(host, []):
                 fetched.setdefault(unit, {})[host] = text
-    from k31deploy.runner import records
-
     # Journals can hold what a process printed: root-only, as on the host.
     records.private_dir(dest)
     files = []

@@ -19,6 +19,7 @@ from typing import Any
 
 from k31deploy.errors import K31Error
 from k31deploy.paths import state_dir
+from k31deploy.recipe.catalog import catalog
 from k31deploy.sandbox import DATA_DIR, image, podman, serving
 from k31deploy.sandbox.inventory import (
     build_inventory,
@@ -328,8 +329,6 @@ def up(shape: Shape, name: str, log: Log) -> Path:
 
 
 def platform_family(shape: Shape) -> str:
-    from k31deploy.recipe.catalog import catalog
-
     platform = str(shape.knobs.get("platform", ""))
     platforms = catalog()["platforms"]
     if platform not in platforms:

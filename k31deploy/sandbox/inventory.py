@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import secrets as secrets_
 import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from k31deploy import pki
+from k31deploy.recipe import from_mapping, resolve
 from k31deploy.sandbox.shapes import GROUPS, Shape
 
 # No GPUs, no serving image: engines run the CPU stand-in, the router and Dynamo frontend run from
@@ -31,8 +35,6 @@ def ssh_common_args(known_hosts: Path) -> str:
 
 def router_kind(shape: Shape) -> str:
     """What fronts the shape's engines (sglang, dynamo or none), as its plan says."""
-    from k31deploy.recipe import from_mapping, resolve
-
     hosts = [from_mapping(h.name, list(h.groups), {"ansible_host": f"192.0.2.{i + 1}",
                                                     **({"k31_server": h.server} if h.server else {})})
              for i, h in enumerate(shape.hosts)]
@@ -46,11 +48,6 @@ def sandbox_secrets(directory: Path, router: str) -> dict[str, str]:
     beside its inventory, which is 0600 too. For `k31 smoke`: the key is also in `router-api-key`
     (--api-key-file); `client/` holds the CA and a client certificate of it, what the Dynamo frontend (--ca-cert,
     --client-cert, --client-key), Prometheus and Alertmanager take."""
-    import os
-    import secrets as secrets_
-
-    from k31deploy import pki
-
     path = directory / "secrets.yml"
     if path.is_file():
         return yaml.safe_load(path.read_text())

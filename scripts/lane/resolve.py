@@ -1,7 +1,8 @@
 """The engine-acceptance lane: real SGLang parses and resolves every planned server's command line.
 
-For each case of CASES.json (written by `k31 lane-cases`: the normalised rank-0 argv and env of every
-planned server, grouped by the device capability its target platform has), this runs what
+For each case of CASES.json (written by `python -m k31deploy.lane_cases write`, which `scripts/engine-lane
+prepare` runs: the normalised rank-0 argv and env of every planned server, grouped by the device capability its
+target platform has), this runs what
 `python -m sglang.launch_server` runs before it loads weights: `load_plugins()`,
 `prepare_server_args(argv)` (argparse), `ServerArgs.resolve_once()` (every `arg_groups/*_hook.py`) and
 `check_server_args()`, against a Kimi-K3 model directory built from SGLang's own `KimiK3Config` with the

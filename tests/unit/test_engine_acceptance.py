@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from k31deploy.engine import cases, cli, lane
+from k31deploy import lane_cases as cases
+from k31deploy.engine import cli, lane
 from k31deploy.errors import K31Error
 from k31deploy.recipe import catalog, flag_registry, resolve
 from k31deploy.recipe.resolver import cell_digest

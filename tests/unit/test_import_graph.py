@@ -100,3 +100,36 @@ def test_the_graph_sees_function_level_and_type_checking_imports():
 def test_k31deploy_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph of k31deploy's folders and top-level modules: each module stands for the first name below
+    k31deploy it is in (k31deploy.recipe.argv -> k31deploy.recipe); an edge joins two different ones."""
+    def top(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+    folders: dict[str, set[str]] = {}
+    for name, edges in graph.items():
+        if name != "k31deploy":
+            here = top(name)
+            folders.setdefault(here, set()).update(top(e) for e in edges if e != "k31deploy" and top(e) != here)
+    return folders
+
+
+def test_no_folder_imports_one_that_imports_it_back():
+    # A folder holds one layer's modules (docs/architecture.md, Layers): the engine lane's case list, which
+    # resolves every case, once sat in engine/ beside the build data the resolver reads.
+    assert find_cycle(folder_graph({"k31deploy.recipe.resolver": {"k31deploy.engine.lane"},
+                                    "k31deploy.engine.cases": {"k31deploy.recipe"}}))
+    cycle = find_cycle(folder_graph(import_graph()))
+    assert cycle is None, "folders that import each other: " + " -> ".join(cycle or [])
+
+
+def test_every_k31deploy_import_stands_at_module_top():
+    # One place to read what a module depends on; an import inside a function once hid a cycle.
+    late = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            late += [f"{name}:{node.lineno}" for node in ast.walk(func)
+                     if _targets(node, name, path.name == "__init__.py", set())]
+    assert late == []

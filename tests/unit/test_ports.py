@@ -8,8 +8,8 @@ import re
 import pytest
 from recipe_helpers import argv, flag
 
+from k31deploy import lane_cases as cases
 from k31deploy.cli import main
-from k31deploy.engine import cases
 from k31deploy.errors import K31Error
 from k31deploy.recipe import resolve
 from k31deploy.recipe.hosts import from_mapping

@@ -4,9 +4,11 @@ A case is a set of knobs k31 plans: every catalog cell as its canonical plan, th
 Advanced Features knob value the cell takes, the MI350X / MI355X agent counts the seed names, and every
 one of those again with each released engine_build where that changes the command. The lane runs each
 distinct normalised rank-0 command once (cases share a digest where their commands agree).
+Layer: a driver (docs/architecture.md): it resolves every case, so it sits above the resolver, apart from
+engine/ (the build's CLI dump and the lane's record), which the resolver reads.
 
-    python -m k31deploy.engine.cases write CASES.json          # what the lane machine runs
-    python -m k31deploy.engine.cases ingest CASES.json LANE.json CLI.json  # its results -> data/engine/
+    python -m k31deploy.lane_cases write CASES.json          # what the lane machine runs
+    python -m k31deploy.lane_cases ingest CASES.json LANE.json CLI.json  # its results -> data/engine/
 """
 
 from __future__ import annotations
