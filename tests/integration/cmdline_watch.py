@@ -1,10 +1,11 @@
 """Watch every /proc/<pid>/cmdline of this machine while a test runs -- sandbox nodes are containers on it, so
-their processes are seen too -- and keep the command lines that hold a secret."""
+their processes are seen too -- and keep the command lines that hold a secret. A watch that stops early fails the
+test at its end: a dead watcher would otherwise pass it having looked at nothing since."""
 
 from __future__ import annotations
 
+import os
 import threading
-from pathlib import Path
 
 
 class CmdlineWatch:
@@ -14,13 +15,19 @@ class CmdlineWatch:
         self.pause = pause
         self.hits: set[str] = set()
         self.scans = 0
+        self.error: BaseException | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def scan(self) -> None:
-        for path in Path("/proc").glob("[0-9]*/cmdline"):
+        # scandir lists /proc without a stat per entry: a process may end between the listing and the read (a
+        # pathlib glob of /proc/*/cmdline raised ProcessLookupError there, and the watch died mid-test).
+        with os.scandir("/proc") as entries:
+            pids = [entry.name for entry in entries if entry.name.isdigit()]
+        for pid in pids:
             try:
-                data = path.read_bytes()
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    data = fh.read()
             except OSError:  # the process ended meanwhile
                 continue
             if any(secret in data for secret in self.secrets):
@@ -28,8 +35,11 @@ class CmdlineWatch:
         self.scans += 1
 
     def _run(self) -> None:
-        while not self.stop.wait(self.pause):
-            self.scan()
+        try:
+            while not self.stop.wait(self.pause):
+                self.scan()
+        except BaseException as exc:  # kept for __exit__, which fails the test with it
+            self.error = exc
 
     def __enter__(self) -> CmdlineWatch:
         self.thread.start()
@@ -38,3 +48,6 @@ class CmdlineWatch:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join()
+        if self.error is not None:
+            raise AssertionError(f"the command-line watch stopped after {self.scans} scans: "
+                                 f"{self.error!r}") from self.error
