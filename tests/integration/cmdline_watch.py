@@ -8,6 +8,22 @@ import os
 import threading
 
 
+def command_lines() -> list[tuple[str, bytes]]:
+    """(pid, NUL-separated command line) of every process now; one that ends before its read is left out. scandir
+    lists /proc without a stat per entry: a pathlib glob of /proc/*/cmdline stats each one, and raised
+    ProcessLookupError for a process that had just ended (the watch died of it mid-test)."""
+    with os.scandir("/proc") as entries:
+        pids = [entry.name for entry in entries if entry.name.isdigit()]
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                found.append((pid, fh.read()))
+        except OSError:  # the process ended meanwhile
+            continue
+    return found
+
+
 class CmdlineWatch:
     def __init__(self, *secrets: str, pause: float = 0.01) -> None:
         self.secrets = [s.encode() for s in secrets if s]
@@ -20,16 +36,7 @@ class CmdlineWatch:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def scan(self) -> None:
-        # scandir lists /proc without a stat per entry: a process may end between the listing and the read (a
-        # pathlib glob of /proc/*/cmdline raised ProcessLookupError there, and the watch died mid-test).
-        with os.scandir("/proc") as entries:
-            pids = [entry.name for entry in entries if entry.name.isdigit()]
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    data = fh.read()
-            except OSError:  # the process ended meanwhile
-                continue
+        for _, data in command_lines():
             if any(secret in data for secret in self.secrets):
                 self.hits.add(data.replace(b"\0", b" ").decode(errors="replace"))
         self.scans += 1

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cmdline_watch import command_lines
 from standin_fixtures import Processes, free_port, standin_command
 
 from k31deploy import launch
@@ -23,15 +24,8 @@ MODEL = "moonshotai/Kimi-K3.1-Pro"
 
 
 def cmdlines_with(secret: str) -> list[str]:
-    hits = []
-    for path in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = path.read_bytes().decode(errors="replace").replace("\0", " ")
-        except OSError:  # the process ended meanwhile
-            continue
-        if secret in text:
-            hits.append(f"{path.parent.name}: {text}")
-    return hits
+    return [f"{pid}: {data.decode(errors='replace').replace(chr(0), ' ')}" for pid, data in command_lines()
+            if secret.encode() in data]
 
 
 @pytest.fixture
