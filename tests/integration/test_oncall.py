@@ -69,9 +69,10 @@ MODEL = "moonshotai/Kimi-K3.1-Pro"
 ENGINES = ("prefill0", "prefill1", "decode0", "decode1")
 # (f): the restarted decode loads for a few seconds, the window the interruption lands in.
 SLOW_LOAD = ("-e", "k31_engine_standin_load_seconds=3")
-# (d2): decode1, whose restart freezes the router host, loads this long: the freeze lands before the next step
-# reaches that host however busy this machine is (without it, the next step once drained, rolled and re-added
-# prefill0 before the freeze). Its prefills are not restarted there, so they keep loading at once.
+# (d), (d2): the server whose restart freezes another host loads this long, so the freeze lands before the run's
+# next step reaches that host however busy this machine is (without it, CI once saw (d) restart decode1 and (d2)
+# restart prefill0 before their freezes). No other server takes this version: the prefills either restart as they
+# are (after a failure) or not at all.
 FREEZE_LOAD = ("-e", "k31_engine_standin_load_seconds=8")
 # Monitoring at test speed: what a site runs at 15 s / 30 s / 20 m, shortened so each alert shows in seconds.
 MONITORING = {"k31_monitoring_scrape_interval": "2s", "k31_monitoring_evaluation_interval": "2s",
@@ -475,7 +476,7 @@ def test_c_a_version_that_never_gets_healthy_rolls_back_by_itself(cluster):
 def pause_once_restarted(host, server, started):
     """Freeze `host` (podman pause) as soon as a redeploy restarted `server`'s rank 0 (its start time passed
     `started`), from a thread: (the thread, an event set once paused). The freeze must land before the run's next
-    step reaches `host`: (d) has a whole re-add and drain before that, (d2) gives itself FREEZE_LOAD."""
+    step reaches `host`: the redeploy passes FREEZE_LOAD."""
     paused = threading.Event()
 
     def pause():
@@ -496,7 +497,7 @@ def test_d_a_host_lost_mid_redeploy_leaves_the_others_serving_and_is_reported(cl
     env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
     try:
         t0 = time.monotonic()
-        proc = k31(env, "redeploy", "decode", "-i", str(cluster.inventory))
+        proc = k31(env, "redeploy", "decode", "-i", str(cluster.inventory), *FREEZE_LOAD)
         took = time.monotonic() - t0
         watcher.join(5)
         assert paused.is_set()
