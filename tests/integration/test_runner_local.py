@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cmdline_watch import command_lines
 from recaps import recap
 from site_secrets import write_site_vars
 
@@ -80,15 +81,7 @@ def result_after(output: str, task: str) -> dict:
 
 
 def sleepers() -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if (proc / "cmdline").read_bytes().split(b"\0")[:2] == SLEEP:
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
+    return [int(pid) for pid, data in command_lines() if data.split(b"\0")[:2] == SLEEP]
 
 
 @pytest.fixture

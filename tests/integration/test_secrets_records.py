@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cmdline_watch import command_lines
 from site_secrets import write_site_vars
 
 pytestmark = pytest.mark.integration
@@ -29,15 +30,7 @@ sys.exit(run(request, PlainView()).exit_code)
 
 
 def sleepers() -> set[int]:
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if (proc / "cmdline").read_bytes().split(b"\0")[:2] == SLEEP:
-                    pids.add(int(proc.name))
-            except OSError:
-                continue
-    return pids
+    return {int(pid) for pid, data in command_lines() if data.split(b"\0")[:2] == SLEEP}
 
 
 def test_the_next_run_scrubs_the_record_of_a_killed_driver(tmp_path):
