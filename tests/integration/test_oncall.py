@@ -67,8 +67,9 @@ NAME = f"oncall-{os.getpid()}"
 SHAPE = "mi355x-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 ENGINES = ("prefill0", "prefill1", "decode0", "decode1")
-# (f): the restarted decode loads for a few seconds, the window the interruption lands in.
-SLOW_LOAD = ("-e", "k31_engine_standin_load_seconds=3")
+# (f): the restarted decode loads for a few seconds, the window the interruption lands in (3 s once let a busy CI
+# machine's run reach prefill0's drain before the kill).
+SLOW_LOAD = ("-e", "k31_engine_standin_load_seconds=8")
 # (d), (d2): the server whose restart freezes another host loads this long, so the freeze lands before the run's
 # next step reaches that host however busy this machine is (without it, CI once saw (d) restart decode1 and (d2)
 # restart prefill0 before their freezes). No other server takes this version: the prefills either restart as they
