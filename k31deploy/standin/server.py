@@ -154,6 +154,30 @@ class _Histogram:
         return [*out, ("_sum", labels, self.sum), ("_count", labels, running)]
 
 
+class LoadHold:
+    """A test's hold on the load: a server that starts while a file named like its record with `.hold` for `.json`
+    exists (/etc/k31/k31-decode1-r0.standin.hold) keeps loading after its load seconds until the file is gone. A
+    test that must act while a redeploy waits for a restarted server (freeze a host, kill the controller) holds it
+    there, acts, then removes the file, instead of racing a load time. Released once, it stays released; a server
+    already running when the file appears is not held."""
+
+    def __init__(self, record: str | None):
+        path = f"{record.removesuffix('.json')}.hold" if record else None
+        self.path = path if path and os.path.exists(path) else None
+
+    def held(self) -> bool:
+        if self.path and not os.path.exists(self.path):
+            self.path = None
+        return self.path is not None
+
+    def wait(self, stop: threading.Event) -> bool:
+        """Wait out the hold (rank >= 1, which has no /health until loaded): True when stopped meanwhile."""
+        while self.held():
+            if stop.wait(0.2):
+                return True
+        return False
+
+
 class Engine:
     """State one stand-in server shares between its request threads."""
 
@@ -162,6 +186,7 @@ class Engine:
         env = os.environ if env is None else env
         self.args = args
         self.ready_at = time.monotonic() + load_seconds
+        self.hold = LoadHold(env.get("K31_STANDIN_RECORD"))
         self.kv_timeout = float(env.get("K31_STANDIN_KV_TIMEOUT", "10"))
         self.wide = args.enable_amd_monokernel and env.get("SGLANG_AMD_MONO_K31_WIDE") == "1"
         ttft_base, ttft_per_token, token_s = timing_seconds(env)
@@ -195,7 +220,7 @@ class Engine:
         return self.args.disaggregation_mode
 
     def loading(self) -> bool:
-        return time.monotonic() < self.ready_at
+        return time.monotonic() < self.ready_at or self.hold.held()
 
     def server_info(self) -> dict[str, Any]:
         # No model_path: the router would try to fetch that tokenizer from the hub (field notes §4). SGLang
@@ -725,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.node_rank >= 1:
             # Real ranks >= 1 open their dummy /health only once their schedulers have loaded.
-            if stop.wait(load_seconds):
+            if stop.wait(load_seconds) or LoadHold(os.environ.get("K31_STANDIN_RECORD")).wait(stop):
                 return 0
             servers.append(serve(args.host, args.port, RankHealthHandler))
             role = f"node rank {args.node_rank} (/health only)"

@@ -67,14 +67,6 @@ NAME = f"oncall-{os.getpid()}"
 SHAPE = "mi355x-2p2d"
 MODEL = "moonshotai/Kimi-K3.1-Pro"
 ENGINES = ("prefill0", "prefill1", "decode0", "decode1")
-# (f): the restarted decode loads for a few seconds, the window the interruption lands in (3 s once let a busy CI
-# machine's run reach prefill0's drain before the kill).
-SLOW_LOAD = ("-e", "k31_engine_standin_load_seconds=8")
-# (d), (d2): the server whose restart freezes another host loads this long, so the freeze lands before the run's
-# next step reaches that host however busy this machine is (without it, CI once saw (d) restart decode1 and (d2)
-# restart prefill0 before their freezes). No other server takes this version: the prefills either restart as they
-# are (after a failure) or not at all.
-FREEZE_LOAD = ("-e", "k31_engine_standin_load_seconds=8")
 # Monitoring at test speed: what a site runs at 15 s / 30 s / 20 m, shortened so each alert shows in seconds.
 MONITORING = {"k31_monitoring_scrape_interval": "2s", "k31_monitoring_evaluation_interval": "2s",
               "k31_monitoring_group_wait": "1s", "k31_monitoring_group_interval": "5s",
@@ -105,6 +97,15 @@ def write(host, path, text):
     proc = subprocess.run(["podman", "exec", "-i", ctr(host), "sh", "-c", f"cat > {path}"], input=text,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def hold_load(host):
+    """Hold `host`'s stand-in in its load when it next starts (the stand-in's LoadHold) until the returned release
+    is called: a redeploy that restarts it waits in its gate, where the (d) and (f) tests act, for as long as the
+    test takes. A load time instead was a race a busy machine lost (the run went on to its next step first)."""
+    path = f"/etc/k31/k31-{host}-r0.standin.hold"
+    sh(host, f"touch {path}")
+    return lambda: sh(host, f"rm -f {path}")
 
 
 def started(host):
@@ -179,28 +180,42 @@ class Cluster:
     def healthy(self, host):
         return httpx.get(self.engine_url(host) + "/health", timeout=3).status_code == 200
 
+    def held(self, host):
+        """The restarted stand-in answers /health with 503: it is held in its load (hold_load), so the run that
+        restarted it still waits in its gate."""
+        with contextlib.suppress(httpx.TransportError):    # not listening yet
+            return httpx.get(self.engine_url(host) + "/health", timeout=3).status_code == 503
+        return False
+
     def interrupt_redeploy(self, sig):
         """Start `k31 redeploy decode1` and send `sig` once decode1 restarted (drained, prefills owed a restart,
         watchers held): to k31 alone for SIGINT (Ctrl-C); SIGKILL to k31 and every process under it for a lost
         controller (it takes ansible-playbook and its SSH sessions with it). Returns (process, its output file)."""
         before = started("decode1")
         out = self.inventory.parent / f"redeploy-{sig.name}-{time.monotonic_ns()}.log"
-        with out.open("w") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", "k31deploy.cli", "redeploy", "decode1",
-                                     "-i", str(self.inventory), *SLOW_LOAD], env=self.env, cwd=REPO,
-                                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        # decode1 stays loading until the interruption landed: the run waits in its gate, having drained it and
+        # held the watchers, and has not reached prefill0's drain.
+        release = hold_load("decode1")
         try:
-            wait_for("the redeploy to restart decode1", lambda: started("decode1") > before, timeout=180,
-                     interval=0.3)    # the interruption must land while decode1 restarts
-            assert self.engine_url("decode1") not in self.workers()
-            assert self.holds() == ["prefill0", "prefill1"]
-            if sig == signal.SIGKILL:
+            with out.open("w") as fh:
+                proc = subprocess.Popen([sys.executable, "-m", "k31deploy.cli", "redeploy", "decode1",
+                                         "-i", str(self.inventory)], env=self.env, cwd=REPO,
+                                        stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                wait_for("the redeploy to restart decode1", lambda: started("decode1") > before, timeout=180,
+                         interval=0.3)
+                wait_for("decode1 to answer, held in its load", lambda: self.held("decode1"), timeout=30)
+                assert self.engine_url("decode1") not in self.workers()
+                assert self.holds() == ["prefill0", "prefill1"]
+                if sig == signal.SIGKILL:
+                    kill_tree(proc.pid)
+                else:
+                    os.kill(proc.pid, sig)
+            except BaseException:
                 kill_tree(proc.pid)
-            else:
-                os.kill(proc.pid, sig)
-        except BaseException:
-            kill_tree(proc.pid)
-            raise
+                raise
+        finally:
+            release()
         return proc, out
 
     def all_in_router(self):
@@ -474,17 +489,22 @@ def test_c_a_version_that_never_gets_healthy_rolls_back_by_itself(cluster):
     assert serve_all(cluster) == []
 
 
-def pause_once_restarted(host, server, started):
+def pause_once_restarted(cluster, host, server, started):
     """Freeze `host` (podman pause) as soon as a redeploy restarted `server`'s rank 0 (its start time passed
-    `started`), from a thread: (the thread, an event set once paused). The freeze must land before the run's next
-    step reaches `host`: the redeploy passes FREEZE_LOAD."""
+    `started`), from a thread: (the thread, an event set once paused). `server` stays loading (hold_load) until the
+    freeze landed, so the run's next step cannot reach `host` first."""
     paused = threading.Event()
+    release = hold_load(server)
 
     def pause():
-        wait_for(f"the redeploy to restart {server}", lambda: unit(server, f"k31-{server}-r0")["started"] > started,
-                 timeout=180, interval=0.3)
-        subprocess.run(["podman", "pause", ctr(host)], check=True, capture_output=True)
-        paused.set()
+        try:
+            wait_for(f"the redeploy to restart {server}",
+                     lambda: unit(server, f"k31-{server}-r0")["started"] > started, timeout=180, interval=0.3)
+            wait_for(f"{server} to answer, held in its load", lambda: cluster.held(server), timeout=30)
+            subprocess.run(["podman", "pause", ctr(host)], check=True, capture_output=True)
+            paused.set()
+        finally:
+            release()
 
     thread = threading.Thread(target=pause, daemon=True)
     thread.start()
@@ -493,12 +513,12 @@ def pause_once_restarted(host, server, started):
 
 def test_d_a_host_lost_mid_redeploy_leaves_the_others_serving_and_is_reported(cluster, tmp_path):
     before = unit("decode0", "k31-decode0-r0")
-    watcher, paused = pause_once_restarted("decode1", "decode0", before["started"])
+    watcher, paused = pause_once_restarted(cluster, "decode1", "decode0", before["started"])
     # Fresh SSH control connections: a host frozen behind an old one hangs rather than refusing.
     env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
     try:
         t0 = time.monotonic()
-        proc = k31(env, "redeploy", "decode", "-i", str(cluster.inventory), *FREEZE_LOAD)
+        proc = k31(env, "redeploy", "decode", "-i", str(cluster.inventory))
         took = time.monotonic() - t0
         watcher.join(5)
         assert paused.is_set()
@@ -542,12 +562,12 @@ def test_d2_the_router_host_lost_mid_redeploy_fails_the_run_and_every_engine_kee
     the run fails within the reach timeout saying so, and once the router answers `k31 status` shows what is
     owed and `k31 status --repair` settles it."""
     before = {h: unit(h, f"k31-{h}-r0") for h in ENGINES}
-    pauser, paused = pause_once_restarted("router0", "decode1", before["decode1"]["started"])
+    pauser, paused = pause_once_restarted(cluster, "router0", "decode1", before["decode1"]["started"])
     env = {**cluster.env, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp")}
     try:
         t0 = time.monotonic()
         proc = k31(env, "redeploy", "decode1", "-i", str(cluster.inventory), "-e", "k31_redeploy_reach_timeout=15",
-                   *FREEZE_LOAD, timeout=300)  # a step that hung on the frozen host
+                   timeout=300)  # a step that hung on the frozen host
         took = time.monotonic() - t0
         pauser.join(5)
         assert paused.is_set()

@@ -19,6 +19,7 @@ from k31deploy.standin.server import (
     BootstrapHandler,
     Engine,
     EngineHandler,
+    LoadHold,
     monokernel_problems,
 )
 
@@ -280,6 +281,40 @@ def test_health_is_503_while_loading_then_200(start):
     engine.ready_at = 0
     for path in ("/health", "/health_generate"):
         assert call(port, "GET", path)[0] == 200
+
+
+def test_a_hold_file_keeps_the_server_loading_until_it_is_removed(start, tmp_path):
+    record = tmp_path / "k31-decode1-r0.standin.json"
+    hold = tmp_path / "k31-decode1-r0.standin.hold"
+    hold.touch()
+    engine, port = start([], env={"K31_STANDIN_RECORD": str(record)})
+    assert engine.ready_at <= time.monotonic()    # its load seconds are over: only the hold keeps it loading
+    assert call(port, "GET", "/health")[0] == 503
+    assert call(port, "GET", "/health")[0] == 503
+    hold.unlink()
+    assert call(port, "GET", "/health")[0] == 200
+    hold.touch()                                  # released once, it stays released
+    assert call(port, "GET", "/health")[0] == 200
+    # without a record or a hold file at its start nothing holds, and a file made later does not either
+    later = LoadHold(str(tmp_path / "other.standin.json"))
+    (tmp_path / "other.standin.hold").touch()
+    assert not LoadHold(None).held() and not later.held()
+
+
+def test_a_hold_keeps_a_rank_above_0_from_opening_health_until_removed(tmp_path):
+    hold = tmp_path / "r1.standin.hold"
+    hold.touch()
+    stop, waited = threading.Event(), []
+    waiter = threading.Thread(target=lambda: waited.append(LoadHold(str(tmp_path / "r1.standin.json")).wait(stop)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()
+    hold.unlink()
+    waiter.join(5)
+    assert waited == [False]
+    hold.touch()
+    stop.set()                                    # a stop while held ends the wait at once, and says so
+    assert LoadHold(str(tmp_path / "r1.standin.json")).wait(stop) is True
 
 
 def test_probes_models_load_and_unknown_paths(start):
