@@ -750,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.node_rank >= 1:
             # Real ranks >= 1 open their dummy /health only once their schedulers have loaded.
-            if stop.wait(load_seconds) or LoadHold(os.environ.get("K31_STANDIN_RECORD")).wait(stop):
+            hold = LoadHold(os.environ.get("K31_STANDIN_RECORD"))    # as it is at the start, as rank 0's
+            if stop.wait(load_seconds) or hold.wait(stop):
                 return 0
             servers.append(serve(args.host, args.port, RankHealthHandler))
             role = f"node rank {args.node_rank} (/health only)"

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -301,7 +305,7 @@ def test_a_hold_file_keeps_the_server_loading_until_it_is_removed(start, tmp_pat
     assert not LoadHold(None).held() and not later.held()
 
 
-def test_a_hold_keeps_a_rank_above_0_from_opening_health_until_removed(tmp_path):
+def test_waiting_out_a_hold_ends_at_its_release_or_at_a_stop(tmp_path):
     hold = tmp_path / "r1.standin.hold"
     hold.touch()
     stop, waited = threading.Event(), []
@@ -315,6 +319,37 @@ def test_a_hold_keeps_a_rank_above_0_from_opening_health_until_removed(tmp_path)
     hold.touch()
     stop.set()                                    # a stop while held ends the wait at once, and says so
     assert LoadHold(str(tmp_path / "r1.standin.json")).wait(stop) is True
+
+
+def test_a_held_rank_above_0_opens_its_health_only_once_the_hold_is_removed(tmp_path):
+    hold = tmp_path / "k31-decode1-r1.standin.hold"
+    hold.touch()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "K31_STANDIN_RECORD": str(tmp_path / "k31-decode1-r1.standin.json")}
+    proc = subprocess.Popen([sys.executable, "-m", "k31deploy.standin", *MODEL, "--nnodes", "2", "--node-rank", "1",
+                             "--dist-init-addr", "127.0.0.1:5000", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "k31-decode1-r1.standin.json").exists():    # its record: it has started
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        with pytest.raises(ConnectionRefusedError):
+            call(port, "GET", "/health")
+        hold.unlink()
+        while True:
+            try:
+                assert call(port, "GET", "/health")[0] == 200
+                break
+            except ConnectionRefusedError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_probes_models_load_and_unknown_paths(start):
