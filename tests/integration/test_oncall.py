@@ -182,10 +182,8 @@ class Cluster:
 
     def held(self, host):
         """The restarted stand-in answers /health with 503: it is held in its load (hold_load), so the run that
-        restarted it still waits in its gate."""
-        with contextlib.suppress(httpx.TransportError):    # not listening yet
-            return httpx.get(self.engine_url(host) + "/health", timeout=3).status_code == 503
-        return False
+        restarted it still waits in its gate. Asked through wait_for, which takes a closed port as "not yet"."""
+        return httpx.get(self.engine_url(host) + "/health", timeout=3).status_code == 503
 
     def interrupt_redeploy(self, sig):
         """Start `k31 redeploy decode1` and send `sig` once decode1 restarted (drained, prefills owed a restart,
