@@ -24,6 +24,11 @@ def command_lines() -> list[tuple[str, bytes]]:
     return found
 
 
+def running(argv: list[bytes]) -> set[int]:
+    """PIDs of the processes whose command line starts with `argv`."""
+    return {int(pid) for pid, data in command_lines() if data.split(b"\0")[:len(argv)] == argv}
+
+
 class CmdlineWatch:
     def __init__(self, *secrets: str, pause: float = 0.01) -> None:
         self.secrets = [s.encode() for s in secrets if s]

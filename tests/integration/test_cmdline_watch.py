@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from cmdline_watch import CmdlineWatch
+from cmdline_watch import CmdlineWatch, running
 
 
 def test_it_sees_a_secret_on_a_command_line_and_keeps_watching_through_process_churn():
@@ -21,6 +21,8 @@ def test_it_sees_a_secret_on_a_command_line_and_keeps_watching_through_process_c
             deadline = time.monotonic() + 10
             while not watch.hits and time.monotonic() < deadline:
                 time.sleep(0.05)
+            assert proc.pid in running([b"sh", b"-c", b"sleep 30", token.encode()])
+            assert proc.pid not in running([b"sh", b"-c", b"sleep 31"])
             proc.kill()
         scans = watch.scans
         time.sleep(0.2)

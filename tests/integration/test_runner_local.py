@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cmdline_watch import command_lines
+from cmdline_watch import running
 from recaps import recap
 from site_secrets import write_site_vars
 
@@ -80,16 +80,12 @@ def result_after(output: str, task: str) -> dict:
     return json.JSONDecoder().raw_decode(output, output.index("=> ", start) + 3)[0]
 
 
-def sleepers() -> list[int]:
-    return [int(pid) for pid, data in command_lines() if data.split(b"\0")[:2] == SLEEP]
-
-
 @pytest.fixture
 def no_stray_sleepers():
-    before = set(sleepers())
+    before = running(SLEEP)
     yield
     time.sleep(1)  # a task a killed worker was still starting shows up late
-    stray = set(sleepers()) - before
+    stray = running(SLEEP) - before
     for pid in stray:  # left by a failing cancel; stopped by PID
         os.kill(pid, signal.SIGTERM)
     assert not stray, f"cancelled tasks left running: {sorted(stray)}"

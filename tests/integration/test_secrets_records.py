@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cmdline_watch import command_lines
+from cmdline_watch import running
 from site_secrets import write_site_vars
 
 pytestmark = pytest.mark.integration
@@ -29,17 +29,13 @@ sys.exit(run(request, PlainView()).exit_code)
 """
 
 
-def sleepers() -> set[int]:
-    return {int(pid) for pid, data in command_lines() if data.split(b"\0")[:2] == SLEEP}
-
-
 def test_the_next_run_scrubs_the_record_of_a_killed_driver(tmp_path):
     state = tmp_path / "state"
     env = {**os.environ, "K31_STATE_DIR": str(state), "ANSIBLE_NOCOLOR": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     (tmp_path / "two.ini").write_text("".join(f"host-{h} ansible_connection=local ansible_python_interpreter="
                                               f"{sys.executable}\n" for h in "ab"))
-    before = sleepers()
+    before = running(SLEEP)
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(SLOW), "two.ini"], cwd=tmp_path,
                             env={**env, "HF_TOKEN": TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
@@ -57,7 +53,7 @@ def test_the_next_run_scrubs_the_record_of_a_killed_driver(tmp_path):
             proc.kill()
             proc.wait()
         time.sleep(1)
-        for pid in sleepers() - before:  # orphaned by the kill; stopped by PID
+        for pid in running(SLEEP) - before:  # orphaned by the kill; stopped by PID
             os.kill(pid, signal.SIGTERM)
     assert not (killed / ".scrubbed").exists()
 
