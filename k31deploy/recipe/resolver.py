@@ -65,6 +65,7 @@ class Server:
     speculative: bool = False
     dflash_block: int | None = None
     kv_offload: str = "none"
+    kv_measured: str = "none"    # the tier the seed measured this server with: another one is derived
     monokernel: bool = False
     max_running_requests: int | None = None
     cuda_graph_max_bs_decode: int | None = None
@@ -157,12 +158,12 @@ class _Resolver:
         self.tpu = self.family_name == "tpu"
         if self.tpu:
             # seed 3.4: the TPU launcher reads its own config; engine knobs do not reach it.
-            engine_knobs = sorted(set(self.k) - {"platform", "topology", "unified_strategy", "image",
-                                                 "router", "router_dialect"})
+            tpu_knobs = ("platform", "topology", "unified_strategy", "image", "router", "router_dialect")
+            engine_knobs = sorted(set(self.k) - set(tpu_knobs))
             if engine_knobs:
                 raise K31Error(
                     f"{engine_knobs[0]} does not apply to tpu7x: the TPU launcher takes "
-                    f"recipe/configs/kimi_k3_1/server.py (seed 3.4); valid knobs there: platform, image, router"
+                    f"recipe/configs/kimi_k3_1/server.py (seed 3.4); valid knobs there: {', '.join(tpu_knobs)}"
                 )
 
     def _engine_build(self) -> None:
@@ -254,6 +255,9 @@ class _Resolver:
                 hostlib.ROUTER_GROUP in h.groups for h in self.inventory):
             default = "sglang"    # the inventory asks for a router in front of unified servers
         self.router = self.knob("router", default)
+        if self.tpu and self.router == "dynamo":
+            raise K31Error("router=dynamo needs dynamo.sglang workers, but tpu7x runs the TPU launcher (seed 3.4), "
+                           "which does not register with Dynamo; valid choices there: none, sglang")
         if self.topology == "pd" and self.router == "none":
             raise K31Error("router=none cannot serve topology=pd: the router pairs prefill and decode; "
                            "valid choices: sglang, dynamo")
@@ -319,6 +323,9 @@ class _Resolver:
         self.mooncake_host = self._first_in(hosts, hostlib.MOONCAKE_GROUP, mooncake, "kv_offload=mooncake")
         if self.router == "none" and any(hostlib.ROUTER_GROUP in h.groups for h in hosts):
             self.warn("hosts in k31_router are unused: router=none")
+        if not mooncake and any(hostlib.MOONCAKE_GROUP in h.groups for h in hosts):
+            self.warn(f"hosts in {hostlib.MOONCAKE_GROUP} are unused: the Mooncake store runs with kv_offload=mooncake "
+                      f"only")
         self.monitoring = self.knob("monitoring", "prometheus")
         # Prometheus and Alertmanager: the k31_monitoring host, else the router's, else the first engine host.
         self.monitoring_host: Host | None = None
@@ -351,6 +358,9 @@ class _Resolver:
         if pp_servers and spec == "none" and "speculative" not in self.k and self.topology == "pd":
             self.warn("DFLASH is off: the PP4 × PCP2 prefill is not speculative and DFLASH must run on both "
                       "PD roles (seed 3.3)")
+        if placeholder and not self.tpu and "speculative" not in self.k:
+            self.warn(f"DFLASH is off: the seed gives the {self.platform} placeholder shape as a layout only "
+                      f"(Recipe shapes); speculative=dflash adds it, derived")
         self.speculative = spec
         self.refuse_unless(spec == "dflash", "dflash_block", "needs speculative=dflash")
         self.refuse_unless(spec == "dflash", "draft_model_path", "needs speculative=dflash")
@@ -370,18 +380,23 @@ class _Resolver:
         row_default = (self.agent_row or {}).get("kv_offload")
         for s in self.servers:
             if self.rocm:
-                default = row_default or "hicache"
-                if s.cell.get("hicache") is False:
+                # seed AMD: HiCache is the default and what was measured, but for the agent rows without it
+                s.kv_measured = row_default or "hicache"
+                if s.cell.get("hicache") is False:    # Low-Latency and the PD decode run without it
                     if explicit in ("hicache", "mooncake") and all(x.cell.get("hicache") is False
                                                                   for x in self.servers):
                         raise K31Error(
                             f"kv_offload={explicit}: {self.platform} {s.role} {s.strategy} runs without "
                             f"HiCache (seed AMD HiCache); valid choices: none"
                         )
-                    s.kv_offload = "none"
+                    if explicit == "hicache":    # the prefill takes it; say that this server does not
+                        self.warn(f"{s.name}: kv_offload=hicache does not reach this {s.role} server: the "
+                                  f"{self.platform} {s.role} {s.strategy} runs without HiCache (seed AMD HiCache)")
+                    s.kv_offload = s.kv_measured = "none"
                     continue
-                s.kv_offload = explicit or default
+                s.kv_offload = explicit or s.kv_measured
             else:
+                s.kv_measured = self.cat["measured"]["kv_offload"][s.role]
                 s.kv_offload = explicit or "none"
             if s.kv_offload == "mooncake" and s.role == "decode":
                 s.kv_offload = "none"    # field notes §3: in PD the store's HiCache flags go on the prefill
@@ -546,9 +561,9 @@ class _Resolver:
                           f"{what}, {VERIFICATION_TEXT[status]}")
             if s.cell.get("note") and s.speculative:
                 self.warn(f"{s.name}: {s.cell['note']}; DFLASH here is derived")
-            if self.family_name == "cuda" and s.kv_offload != measured["kv_offload"][s.role]:
+            if s.kv_offload != s.kv_measured:
                 self.warn(f"{s.name}: kv_offload={s.kv_offload} on a {s.role} server is derived; the seed "
-                          f"measured {s.role} servers with kv_offload={measured['kv_offload'][s.role]}")
+                          f"measured {s.role} servers with kv_offload={s.kv_measured}")
             if s.kv_offload == "mooncake" and self.family_name not in measured["mooncake_platform_families"]:
                 self.warn(f"{s.name}: the Mooncake store (L3) is derived and was not measured"
                           + ("; it has not run on MI350X / MI355X (seed)" if self.rocm else ""))

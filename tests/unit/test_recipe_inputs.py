@@ -85,6 +85,20 @@ def test_inventory_servers_ranks_and_dist_init_address():
     assert p["router"]["host"] == "fe"
 
 
+def test_hosts_of_a_service_the_plan_does_not_run_are_named_unused():
+    engines = (("a", "k31_unified", {}),)
+    knobs = {"platform": "mi355x", "agents": 16}
+    p = resolve({**knobs, "router": "none", "monitoring": "none"},
+                hosts(*engines, ("r", "k31_router", {}), ("m", "k31_mooncake_master", {}), ("p", "k31_monitoring", {})))
+    assert p["router"] is None and p["mooncake_master"] is None
+    unused = [w for w in p["warnings"] if "are unused" in w]
+    assert unused == ["hosts in k31_router are unused: router=none",
+                      "hosts in k31_mooncake_master are unused: the Mooncake store runs with kv_offload=mooncake only",
+                      "hosts in k31_monitoring are unused: monitoring=none"]
+    p = resolve({**knobs, "kv_offload": "mooncake"}, hosts(*engines, ("m", "k31_mooncake_master", {})))
+    assert p["mooncake_master"]["host"] == "m" and not [w for w in p["warnings"] if "are unused" in w]
+
+
 def test_wrong_host_count_for_a_layout_is_refused():
     with pytest.raises(K31Error, match=r"server d0 has 1 host\(s\) \(t2\) but decode balanced on gb300 needs 2"):
         resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 8},

@@ -175,6 +175,16 @@ def test_dflash_is_refused_with_the_pp_prefill_and_off_by_default_there():
     assert any("DFLASH is off" in w for w in p["warnings"])
 
 
+def test_dflash_is_off_by_default_on_the_placeholder_shapes_and_the_plan_says_so():
+    p = plan(platform="h200")
+    assert server(p, "unified")["speculative"] == "none"
+    assert ("DFLASH is off: the seed gives the h200 placeholder shape as a layout only (Recipe shapes); "
+            "speculative=dflash adds it, derived") in p["warnings"]
+    p = plan(platform="h200", speculative="dflash", max_running_requests=8)
+    assert server(p, "unified")["speculative"] == "dflash" and not [w for w in p["warnings"] if "DFLASH is off" in w]
+    assert not [w for w in plan(platform="h200", speculative="none")["warnings"] if "DFLASH is off" in w]
+
+
 def test_mi35x_dflash_proposes_five_tokens_on_triton_with_replayssm_except_pd_prefill():
     p = plan(platform="mi355x", agents=92)
     for role in ("prefill", "decode"):
@@ -218,6 +228,39 @@ def test_mi35x_hicache_is_write_back_with_host_ratios_and_keeps_every_kda_state(
 def test_mi35x_low_latency_runs_without_hicache():
     refused("kv_offload=hicache: mi355x unified low-latency runs without HiCache", platform="mi355x",
             unified_strategy="low-latency", kv_offload="hicache", max_running_requests=4)
+    # the 1P1D's prefill takes an explicit hicache; its decode runs without, and the plan says so
+    p = plan(platform="mi355x", agents=92, kv_offload="hicache")
+    assert server(p, "decode")["kv_offload"] == "none"
+    assert "decode0: kv_offload=hicache does not reach this decode server: the mi355x decode high-throughput runs " \
+           "without HiCache (seed AMD HiCache)" in p["warnings"]
+
+
+def derived_tiers(p: dict) -> list[str]:
+    return [w for w in p["warnings"] if "is derived; the seed measured" in w]
+
+
+@pytest.mark.parametrize("knobs,derived", [
+    # seed Agentic KV offload: NVIDIA's PD prefill was measured with HiCache, aggregated servers without
+    ({"platform": "b300", "max_running_requests": 8}, []),
+    ({"platform": "b300", "max_running_requests": 8, "kv_offload": "hicache"},
+     ["unified0: kv_offload=hicache on a unified server is derived; the seed measured unified servers with "
+      "kv_offload=none"]),
+    ({"platform": "b300", "topology": "pd", "max_running_requests": 8},
+     ["prefill0: kv_offload=none on a prefill server is derived; the seed measured prefill servers with "
+      "kv_offload=hicache"]),
+    # MI355X: "From 16 agents, HiCache in host DRAM (write-back), with the no-offload tier derived"
+    ({"platform": "mi355x", "agents": 16}, []),
+    ({"platform": "mi355x", "agents": 4}, []),
+    ({"platform": "mi355x", "agents": 16, "kv_offload": "none"},
+     ["unified0: kv_offload=none on a unified server is derived; the seed measured unified servers with "
+      "kv_offload=hicache"]),
+    ({"platform": "mi355x", "agents": 92}, []),
+    ({"platform": "mi355x", "agents": 92, "kv_offload": "none"},
+     ["prefill0: kv_offload=none on a prefill server is derived; the seed measured prefill servers with "
+      "kv_offload=hicache"]),
+])
+def test_a_kv_offload_tier_the_seed_did_not_measure_is_called_derived(knobs, derived):
+    assert derived_tiers(plan(**knobs)) == derived
 
 
 # -- Tuning notes ----------------------------------------------------------------------------------
@@ -432,6 +475,12 @@ def test_tpu7x_runs_the_tpu_launcher_on_every_host():
                                 "recipe/configs/kimi_k3_1/server.py"]
     assert p["image"] is None
     refused("speculative does not apply to tpu7x", platform="tpu7x", speculative="dflash")
+    message = refused("agents does not apply to tpu7x", platform="tpu7x", agents=4)
+    assert message.endswith("valid knobs there: platform, topology, unified_strategy, image, router, router_dialect")
+    # the TPU launcher is no dynamo.sglang worker: a Dynamo frontend would wait for workers that never register
+    refused(r"router=dynamo needs dynamo.sglang workers.*valid choices there: none, sglang", platform="tpu7x",
+            router="dynamo")
+    assert plan(platform="tpu7x", router="sglang")["router"]["kind"] == "sglang"
 
 
 def test_verification_warnings_for_unmeasured_cells():
