@@ -282,6 +282,14 @@ def dist_init_port(setup: Setup) -> int:
     return setup.knob("dist_init_port", catalog()["ports"]["dist_init"])
 
 
+def router_tokenizer(dialect: dict[str, Any], model_path: str | None) -> str | None:
+    """The seed's router --tokenizer-path where the dialect takes it: a local model's tokenizer.json (for a hub id
+    the router falls back to --model-id)."""
+    if dialect["model_flags"] and model_path and model_path.startswith("/"):
+        return f"{model_path.rstrip('/')}/tokenizer.json"
+    return None
+
+
 def router_plan(r: Setup, servers: list[dict[str, Any]]) -> dict[str, Any] | None:
     if r.router == "none":
         return None
@@ -324,11 +332,13 @@ def router_plan(r: Setup, servers: list[dict[str, Any]]) -> dict[str, Any] | Non
     else:
         argv += ["--worker-urls", *(worker_url(s) for s in servers)]
     argv += ["--host", host.public_address, "--port", str(cat["ports"]["router"]), "--policy", cfg["policy"]]
+    mounts = [tls["dir"]] if tls else []
     if dialect["model_flags"]:
         argv += ["--model-id", cat["model"]["name"]]
-        model_path = r.knob("model_path")
-        if model_path and model_path.startswith("/"):   # a hub id: the router falls back to --model-id
-            argv += ["--tokenizer-path", f"{model_path.rstrip('/')}/tokenizer.json"]
+        tokenizer = router_tokenizer(dialect, r.knob("model_path"))
+        if tokenizer:    # in the model k31_model staged on this engine host (the resolver made sure it is one)
+            argv += ["--tokenizer-path", tokenizer]
+            mounts.append(tokenizer.rsplit("/", 1)[0])
     argv += ["--request-timeout-secs", str(cfg["request_timeout_secs"])]
     if dialect["metrics_flags"]:
         argv += ["--prometheus-host", host.address, "--prometheus-port", str(cat["ports"]["router_metrics"])]
@@ -341,6 +351,6 @@ def router_plan(r: Setup, servers: list[dict[str, Any]]) -> dict[str, Any] | Non
     emit_check("router", argv[launcher_len:])
     return {"kind": "sglang", "dialect": r.dialect, "host": host.name, "address": host.address,
             "public_address": host.public_address, "port": cat["ports"]["router"], "tls": tls,
-            "mounts": [tls["dir"]] if tls else [], "unit": "k31-router",
+            "mounts": mounts, "unit": "k31-router",
             "argv": argv, "env": dict(cfg["env"]), "secret_exec": dialect["secret_exec"],
             "metrics_port": cat["ports"]["router_metrics"] if dialect["metrics_flags"] else None}

@@ -39,7 +39,7 @@ from k31deploy.memory import Options, annotate_plan
 from k31deploy.plan import EngineSettings
 from k31deploy.recipe import hosts as hostlib
 from k31deploy.recipe import model, ports
-from k31deploy.recipe.argv import DYNAMO_PARSER_WARNING, EngineArgv, dist_init_port, router_plan
+from k31deploy.recipe.argv import DYNAMO_PARSER_WARNING, EngineArgv, dist_init_port, router_plan, router_tokenizer
 from k31deploy.recipe.hosts import Host
 from k31deploy.recipe.knobs import normalise
 from k31deploy.recipe.model import ServerSpec, Setup
@@ -321,6 +321,12 @@ class _Resolver:
         self.router_host = self._first_in(hosts, hostlib.ROUTER_GROUP, self.router != "none",
                                           f"router={self.router}")
         self.mooncake_host = self._first_in(hosts, hostlib.MOONCAKE_GROUP, mooncake, "kv_offload=mooncake")
+        tokenizer = router_tokenizer(self.cat["router"]["dialects"][self.dialect], self.knob("model_path"))
+        if self.router == "sglang" and tokenizer and all(self.router_host not in s.hosts for s in self.servers):
+            raise K31Error(
+                f"router_dialect={self.dialect} reads --tokenizer-path {tokenizer} on the router host "
+                f"{self.router_host.name}, which runs no engine, so k31 stages no model there; valid choices: put "
+                f"the router on an engine host, model_path=<hub id>, or router_dialect=launch_router")
         if self.router == "none" and any(hostlib.ROUTER_GROUP in h.groups for h in hosts):
             self.warn("hosts in k31_router are unused: router=none")
         if not mooncake and any(hostlib.MOONCAKE_GROUP in h.groups for h in hosts):

@@ -99,6 +99,22 @@ def test_hosts_of_a_service_the_plan_does_not_run_are_named_unused():
     assert p["mooncake_master"]["host"] == "m" and not [w for w in p["warnings"] if "are unused" in w]
 
 
+def test_the_seed_routers_tokenizer_must_be_on_its_host():
+    knobs = {"platform": "gb300", "topology": "pd", "router": "sglang", "speculative": "none",
+             "model_path": "/models/k31"}
+    trays = (("t0", "k31_prefill", {"k31_server": "p0"}), ("t1", "k31_prefill", {"k31_server": "p0"}),
+             ("t2", "k31_decode", {"k31_server": "d0"}), ("t3", "k31_decode", {"k31_server": "d0"}))
+    with pytest.raises(K31Error, match=r"^router_dialect=sgl-router reads --tokenizer-path /models/k31/tokenizer.json "
+                                       r"on the router host fe, which runs no engine.*valid choices: put the router on "
+                                       r"an engine host, model_path=<hub id>, or router_dialect=launch_router$"):
+        resolve(knobs, hosts(*trays, ("fe", "k31_router", {})))
+    on_engine = [Host("t0", "10.0.0.0", ("k31_prefill", "k31_router"), {"k31_server": "p0"}), *hosts(*trays)[1:]]
+    assert resolve(knobs, on_engine)["router"]["mounts"] == ["/models/k31"]
+    for other in ({"model_path": "moonshotai/Kimi-K3.1-Pro"}, {"router_dialect": "launch_router"}):
+        router = resolve({**knobs, **other}, hosts(*trays, ("fe", "k31_router", {})))["router"]
+        assert "--tokenizer-path" not in router["argv"] and router["mounts"] == []
+
+
 def test_wrong_host_count_for_a_layout_is_refused():
     with pytest.raises(K31Error, match=r"server d0 has 1 host\(s\) \(t2\) but decode balanced on gb300 needs 2"):
         resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 8},

@@ -398,6 +398,7 @@ def test_seed_sgl_router_command():
     assert flag(args, "--policy") == "power_of_two" and flag(args, "--request-timeout-secs") == "540"
     assert flag(args, "--model-id") == "moonshotai/Kimi-K3.1-Pro"
     assert flag(args, "--tokenizer-path") == "/models/Kimi-K3.1-Pro/tokenizer.json"
+    assert r["mounts"] == ["/models/Kimi-K3.1-Pro"]      # read-only in the router's container, on engine host node0
     assert "--prometheus-host" not in args            # not a flag of that CLI
     assert "--worker-startup-timeout-secs" not in args    # nor this one (catalog: startup_timeout false)
     assert any("router=sglang is derived" in w for w in p["warnings"])
