@@ -112,6 +112,12 @@ class _Resolver:
         self.require_image = require_image
         self.warnings: list[str] = []
         self.servers: list[Server] = []
+        for knob in sorted(set(inv_knobs) - set(knobs)):
+            unset = [h.name for h in hosts or [] if h.vars.get(f"k31_{knob}") is None]
+            if unset:    # a group's value is the cluster's: say so where a group_vars of one role set it
+                names = ", ".join(unset[:3]) + (f" and {len(unset) - 3} more" if len(unset) > 3 else "")
+                self.warn(f"k31_{knob} is set on some hosts only (not on {names}); recipe knobs are cluster-wide, "
+                          f"so its value applies to the whole cluster: set it once in group_vars/all")
 
     # -- helpers -------------------------------------------------------------------------------
     def knob(self, name: str, default: Any = None) -> Any:
@@ -119,9 +125,9 @@ class _Resolver:
         return default if value is None else value
 
     def refuse_unless(self, condition: bool, knob: str, why: str) -> None:
-        """A knob that only makes sense in some setups: refuse it (explicitly set) elsewhere."""
+        """A knob that only makes sense in some setups: refuse it (explicitly set) elsewhere, naming the way out."""
         if not condition and knob in self.k:
-            raise K31Error(f"{knob}={self.k[knob]} {why}")
+            raise K31Error(f"{knob}={self.k[knob]} {why}; valid choices: the setup it names, or {knob} unset")
 
     def warn(self, text: str) -> None:
         if text not in self.warnings:
@@ -430,6 +436,9 @@ class _Resolver:
                     f"kv_offload={s.kv_offload}; valid: kv_offload=none, or monokernel=false"
                 )
             s.monokernel = True
+            if not s.speculative:    # seed: "It takes TP8 or DCP8 with DFLASH"; its verify steps are DFLASH's
+                self.warn(f"{s.name}: the monokernel without DFLASH is derived: the seed runs it with DFLASH "
+                          f"(decode and verify steps), and SGLang stops at startup where it does not support a setup")
             if s.role == "decode":
                 self.warn(f"{s.name}: the monokernel was measured on the single-node recipes (1 to 8 agents); "
                           f"on a PD decode it is derived")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from recipe_helpers import refused
+from recipe_helpers import flag, refused
 
 from k31deploy.cli import main
 from k31deploy.errors import K31Error
@@ -54,7 +54,10 @@ def test_set_strings_are_typed():
      "router_dialect=sgl-router is the seed's PD command"),
 ])
 def test_contradictory_knobs_are_refused(knobs, match):
-    refused(match, **knobs)
+    message = refused(match, **knobs)
+    if " applies to " in message or " needs " in message:    # a knob only some setups take: unset is the way out
+        knob = match.split("=")[0]
+        assert message.endswith(f"; valid choices: the setup it names, or {knob} unset"), message
 
 
 def test_the_readme_knob_table_is_the_generated_one():
@@ -113,6 +116,18 @@ def test_the_seed_routers_tokenizer_must_be_on_its_host():
     for other in ({"model_path": "moonshotai/Kimi-K3.1-Pro"}, {"router_dialect": "launch_router"}):
         router = resolve({**knobs, **other}, hosts(*trays, ("fe", "k31_router", {})))["router"]
         assert "--tokenizer-path" not in router["argv"] and router["mounts"] == []
+
+
+def test_a_knob_set_on_some_hosts_only_is_the_clusters_and_the_plan_says_so():
+    layout = hosts(("p0", "k31_prefill", {"k31_attention_backend": "trtllm"}), ("d0", "k31_decode", {}),
+                   ("fe", "k31_router", {}))
+    p = resolve({"platform": "b300", "topology": "pd", "max_running_requests": 8}, layout)
+    assert all(flag(s["ranks"][0]["argv"], "--dsa-decode-backend") == "trtllm" for s in p["servers"])
+    assert ("k31_attention_backend is set on some hosts only (not on d0, fe); recipe knobs are cluster-wide, so its "
+            "value applies to the whole cluster: set it once in group_vars/all") in p["warnings"]
+    everywhere = [Host(h.name, h.address, h.groups, {"k31_attention_backend": "trtllm"}) for h in layout]
+    p = resolve({"platform": "b300", "topology": "pd", "max_running_requests": 8}, everywhere)
+    assert not [w for w in p["warnings"] if "some hosts only" in w]
 
 
 def test_wrong_host_count_for_a_layout_is_refused():

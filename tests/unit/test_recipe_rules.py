@@ -293,6 +293,14 @@ def test_every_mi35x_cell_sets_the_four_aiter_variables(platform, agents):
             assert AITER.items() <= rank["env"].items()
 
 
+def test_the_monokernel_without_dflash_is_called_derived():
+    assert not [w for w in plan(platform="mi355x", agents=4)["warnings"] if "monokernel without DFLASH" in w]
+    p = plan(platform="mi355x", agents=4, speculative="none")
+    assert flag(argv(p, "unified"), "--enable-amd-monokernel") is True
+    assert ("unified0: the monokernel without DFLASH is derived: the seed runs it with DFLASH (decode and verify "
+            "steps), and SGLang stops at startup where it does not support a setup") in p["warnings"]
+
+
 @pytest.mark.parametrize("agents,strategy,mono,hicache,mrr", [
     (1, "low-latency", True, False, 1),
     (4, "low-latency", True, False, 4),
