@@ -714,8 +714,11 @@ class _Resolver:
         return cell_digest(self.platform, role, strategy)
 
     def _container_flags(self) -> list[str]:
-        """The family's device, IPC, shm, memlock and RDMA flags; NVL72 adds the IMEX channel."""
+        """The family's device, IPC, shm and memlock flags, its RDMA ones where KV moves between nodes; NVL72 adds
+        the IMEX channel."""
         flags = list(self.family["container_flags"])
+        if self.topology == "pd" or any(s.kv_offload == "mooncake" or s.layout["nnodes"] > 1 for s in self.servers):
+            flags += self.family.get("rdma_container_flags", [])
         if self.pinfo.get("nvl72") and any(s.layout["nnodes"] > 1 for s in self.servers):
             flags += self.cat["nvl72"]["container_flags"]
         return flags

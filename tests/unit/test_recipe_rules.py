@@ -367,10 +367,19 @@ def test_prefill_decode_interval_on_unified_only():
             prefill_decode_interval=16)
 
 
-def test_mi35x_container_flags_include_rdma():
-    flags = catalog()["families"]["rocm"]["container_flags"]
-    for needed in ("--device=/dev/infiniband", "--cap-add=IPC_LOCK", "memlock=-1", "--network=host"):
+@pytest.mark.parametrize("knobs,rdma", [
+    ({"agents": 92}, True),                                  # the 1P1D: Mooncake moves the KV over RDMA
+    ({"agents": 16, "kv_offload": "mooncake"}, True),        # a Mooncake store
+    ({"agents": 16}, False),                                 # one node, nothing leaves it
+    ({"agents": 4}, False),
+])
+def test_mi35x_containers_map_the_rdma_devices_where_kv_moves_between_nodes(knobs, rdma):
+    # seed "On AMD MI355X" (PD): add --device=/dev/infiniband --cap-add=IPC_LOCK --ulimit memlock=-1
+    # --network=host; a single node without RDMA devices must still start (a missing --device fails the run)
+    flags = plan(platform="mi355x", **knobs)["container_flags"]
+    for needed in ("memlock=-1", "--network=host"):
         assert needed in flags
+    assert ("--device=/dev/infiniband" in flags) is rdma and ("--cap-add=IPC_LOCK" in flags) is rdma
 
 
 # -- 3.3 PD Disaggregation ---------------------------------------------------------------------------
