@@ -38,7 +38,7 @@ class Settings:
     """What the role passes (k31_preflight_* variables without the prefix)."""
 
     require_gpu: bool = True  # false on hosts without GPUs (the sandbox): hardware checks are skipped
-    require_rdma: bool | None = None  # None: needed when a server spans nodes or the topology is PD, off NVL72
+    require_rdma: bool | None = None  # None: needed for PD, a multi-node server or a Mooncake store, off NVL72
     weights_gb_per_gpu: float | None = None  # sizes the HiCache host pools (else measured safetensors)
     model_gb: float | None = None  # model + draft on disk (else measured at the staging source)
     min_cuda: str | None = None  # else MIN_CUDA
@@ -293,7 +293,10 @@ class _Host:
         self.facts["rdma_ports"] = [p.to_dict() for p in ports]
         required = self.s.require_rdma
         if required is None:
-            spans = self.plan.topology == "pd" or any(s.layout.nnodes > 1 for s in self.servers)
+            # KV or tensors leave the node: PD's transfer, a server on several nodes, or a Mooncake store (its
+            # MOONCAKE_PROTOCOL is rdma); the same cases map the MI35x RDMA devices into containers (resolver)
+            spans = self.plan.topology == "pd" or any(s.layout.nnodes > 1 or s.kv_offload == "mooncake"
+                                                      for s in self.servers)
             required = self.s.require_gpu and spans and not self.spec.nvl72
         why = ("the plan moves KV or tensors between nodes (PD or multi-node) over RDMA" if required
                else "not required here (k31_preflight_require_rdma sets it)")

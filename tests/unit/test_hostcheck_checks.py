@@ -66,6 +66,15 @@ def test_h200_capture_against_an_h200_plan():
     assert result["facts"]["mem_total_bytes"] == 131981020 * 1024
 
 
+def test_rdma_is_required_where_kv_leaves_the_node():
+    sections = {**mi355x_probes(), "rdma-link": system.Section(0, ""), "rdma-sysfs": system.Section(0, "")}
+    for knobs, required in (({"agents": 16}, False), ({"agents": 16, "kv_offload": "mooncake"}, True),
+                            ({"agents": 92}, True)):
+        c = by_check(evaluate(resolve({"platform": "mi355x", "model_path": "/models/K", **knobs}), "node0", sections))
+        assert c["rdma_ports"]["found"] == "no RDMA devices"
+        assert c["rdma_ports"]["status"] == ("fail" if required else "pass"), (knobs, c["rdma_ports"])
+
+
 def test_h200_capture_against_a_gb300_tray():
     plan = resolve({"platform": "gb300", "topology": "pd", "model_path": "/models/K", "max_running_requests": 64})
     c = by_check(evaluate(plan, "node2", h200_probes()))
