@@ -582,6 +582,11 @@ class _Resolver:
             if s.kv_offload == "mooncake" and self.family_name not in measured["mooncake_platform_families"]:
                 self.warn(f"{s.name}: the Mooncake store (L3) is derived and was not measured"
                           + ("; it has not run on MI350X / MI355X (seed)" if self.rocm else ""))
+        if self.router == "sglang" and self.topology == "pd" and not self.cat["router"]["dialects"][self.dialect][
+                "model_flags"]:    # the engine decides: field notes §4
+            self.warn(f"router_dialect={self.dialect} takes no --model-id (PyPI sglang-router 0.3.2): k31 leaves out "
+                      f"seed 3.3's --model-id, and its --tokenizer-path with it (power_of_two routing reads no "
+                      f"tokens)")
         expected = measured["router"].get(self.family_name)
         if self.router != "none" and expected and self.router != expected:
             self.warn(f"router={self.router} is derived from the same engine settings and was not measured; "

@@ -425,7 +425,13 @@ def test_pypi_launch_router_dialect_sets_metrics_listener_explicitly():
     r = plan(platform="mi355x", agents=92)["router"]
     assert r["dialect"] == "launch_router"
     assert flag(r["argv"], "--prometheus-host") == "node0" and flag(r["argv"], "--prometheus-port") == "29000"
-    assert "--model-id" not in r["argv"]
+    assert "--model-id" not in r["argv"] and "--tokenizer-path" not in r["argv"]
+    # the engine (its CLI) decides, and the plan says where it departs from the seed's command
+    assert ("router_dialect=launch_router takes no --model-id (PyPI sglang-router 0.3.2): k31 leaves out seed 3.3's "
+            "--model-id, and its --tokenizer-path with it (power_of_two routing reads no tokens)"
+            in plan(platform="mi355x", agents=92)["warnings"])
+    unified = plan(platform="mi355x", agents=16, router="sglang")["warnings"]    # the seed's command is PD's
+    assert not [w for w in unified if "--model-id" in w]
 
 
 def test_launch_router_command_is_complete_in_the_plan_with_its_startup_timeout():
