@@ -18,6 +18,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from k31deploy import validate
 from k31deploy.errors import K31Error
 from k31deploy.plan import Plan
 
@@ -96,8 +97,11 @@ def rules(doc: Plan | dict[str, Any], host: str, settings: Settings) -> list[Rul
                 out.append(Rule("", _networks(peers, "server addresses"), f"{server.name}: its other nodes "
                                 f"(NCCL and torch.distributed pick their ports at run time)", proto))
     for extra in settings.extra:
-        out.append(Rule(str(extra.get("ports", "")), _networks(extra.get("sources") or ANY, "k31_firewall_extra"),
-                        str(extra.get("comment", "site rule")), str(extra.get("proto", "tcp"))))
+        ports, proto = str(extra.get("ports", "")), str(extra.get("proto", "tcp"))
+        if not validate.FIREWALL_PORTS.fullmatch(ports) or proto not in validate.FIREWALL_PROTOS:
+            raise K31Error(f"k31_firewall_extra entry {extra!r} is not valid; valid: {validate.FIREWALL_EXTRA_VALID}")
+        out.append(Rule(ports, _networks(extra.get("sources") or ANY, "k31_firewall_extra"),
+                        str(extra.get("comment", "site rule")), proto))
     return out
 
 

@@ -87,6 +87,16 @@ def address(setting: str, value: Any, where: str = "") -> str:
     return text
 
 
+def bind_address(setting: str, value: Any, where: str = "") -> str:
+    """A host address services bind (the cluster or public address): one of the host's own, so not the wildcard
+    (0.0.0.0, ::) that would expose every internal service on every interface, nor a multicast address."""
+    text = address(setting, value, where)
+    if is_ip(text) and (ipaddress.ip_address(text).is_unspecified or ipaddress.ip_address(text).is_multicast):
+        raise K31Error(f"{named(setting, text, where)} is not valid: internal services bind the host's cluster "
+                       f"address, and {text} is not one of the host's addresses; valid: the host's own IP or name")
+    return text
+
+
 def _bad_address(setting: str, text: str, where: str) -> None:
     hint = " (write it without brackets)" if text.startswith("[") else ""
     raise K31Error(f"{named(setting, text, where)} is not a valid host address{hint}; valid: {ADDRESS_VALID}")
@@ -137,6 +147,23 @@ def local_path(setting: str, text: Any, where: str = "") -> str:
     if isinstance(text, str) and _absolute_path(text):
         return text
     raise K31Error(f"{named(setting, text, where)} is not valid; valid: {PATH_VALID}")
+
+
+ROLE_PATH_VALID = ("a path of letters, digits and . _ - + @ = separated by '/' (absolute on hosts, or relative to the "
+                   "checkout on the controller; no spaces, quotes or shell characters)")
+
+
+def role_path(text: str) -> bool:
+    """A role's path variable: what a root-run shell task, unit or script may hold unquoted without harm."""
+    parts = text.rstrip("/").split("/")
+    return len(text) <= 4096 and all(_PATH_PART.fullmatch(p) for p in (parts[1:] if text.startswith("/") else parts))
+
+
+# A site firewall rule's ports (k31_firewall_extra): nftables' port, range or comma list, and its protocol.
+FIREWALL_PORTS = re.compile(r"[0-9]{1,5}(?:-[0-9]{1,5})?(?:,[0-9]{1,5}(?:-[0-9]{1,5})?)*", re.ASCII)
+FIREWALL_PROTOS = ("tcp", "udp")
+FIREWALL_EXTRA_VALID = ("a list of {ports: 8443 | 9000-9100 | 80,443, proto: tcp | udp, sources: [IP networks], "
+                        "comment: one line}")
 
 
 MODEL_PATH_VALID = f"a Hugging Face id (org/name: letters, digits, '.', '_', '-') or {PATH_VALID}"

@@ -35,6 +35,7 @@ PLAYBOOK_VARS = {
     "k31_teardown_confirm": "playbooks/teardown.yml",
     "k31_teardown_purge": "playbooks/teardown.yml",
 }
+PLAYBOOK_VAR_TYPES = {"k31_reboot_ok": "bool", "k31_teardown_confirm": "str", "k31_teardown_purge": "bool"}
 ROLES_DIR = Path(__file__).resolve().parents[2] / "roles"
 # Roles only other roles include (roles/k31_unit: a unit's lifecycle): those roles set their variables, which
 # an inventory could not change, so one naming them is refused like any other unknown k31_* variable.
@@ -47,6 +48,14 @@ PEM_ROLE_VARS = {"k31_pki_ca_cert": "certificate", "k31_pki_ca_key": "private ke
 PEM_LABELS = {"certificate": "CERTIFICATE", "private key": "(?:RSA |EC |ENCRYPTED )?PRIVATE KEY"}
 # Role variables holding a host's fabric address (SGLANG_HOST_IP, the IMEX nodes config): IPs, not names.
 IP_ROLE_VARS = ("k31_rdma_host_ip", "k31_mnnvl_address")
+# Role variables listing networks (nftables sources, the RDMA fabric): each item an IP network.
+CIDR_ROLE_VARS = ("k31_firewall_cluster_sources", "k31_firewall_public_sources", "k31_firewall_ssh_sources",
+                  "k31_rdma_fabric_cidrs")
+# Role variables listing env file stems under the engine's etc dir (NAME.env): names, not paths.
+STEM_ROLE_VARS = ("k31_engine_host_env_files",)
+_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", re.ASCII)
+# Ansible's boolean spellings (module_utils.parsing.convert_bool), as INI group vars arrive: strings.
+_BOOLEANS = {"yes", "on", "1", "true", "y", "t", "no", "off", "0", "false", "n", "f"}
 # Names k31 redeploy / k31 logs take as targets besides server names: a server may not be called so.
 RESERVED_SERVER_NAMES = (*ROLES, "router")
 
@@ -138,7 +147,7 @@ def resolved(hosts: list[Host]) -> list[Host]:
                     f"{setting} of host {host.name} is {text}, which does not resolve on the controller "
                     f"({exc.strerror or exc}); set {setting} to the host's IP address"
                 ) from None
-        return cache_[text]
+        return validate.bind_address(setting, cache_[text], f"host {host.name}, resolved from {text}")
 
     out = []
     for h in hosts:
@@ -154,10 +163,10 @@ def check_hosts(hosts: list[Host]) -> None:
     for host in hosts:
         validate.host_name(host.name)
         if "ansible_host" in host.vars:
-            validate.address("ansible_host", str(host.vars["ansible_host"]), f"host {host.name}")
+            validate.bind_address("ansible_host", str(host.vars["ansible_host"]), f"host {host.name}")
         for var in ("k31_cluster_address", "k31_public_address"):
             if host.vars.get(var):
-                validate.address(var, str(host.vars[var]), f"host {host.name}")
+                validate.bind_address(var, str(host.vars[var]), f"host {host.name}")
         if "ansible_host" not in host.vars and "k31_cluster_address" not in host.vars:
             validate.address(f"host {host.name}", host.address, "its name: no ansible_host is set")
         if host.public and ROUTER_GROUP not in host.groups:
@@ -184,7 +193,7 @@ def inventory_knobs(hosts: list[Host]) -> dict[str, Any]:
                 continue
             knob = var[len("k31_"):]
             if knob not in specs:
-                check_role_variable(var, value, host.name)
+                check_role_variable(var, value, host.name, host.vars)
                 continue
             if knob in seen and seen[knob][0] != value:
                 other_value, other = seen[knob]
@@ -197,9 +206,11 @@ def inventory_knobs(hosts: list[Host]) -> dict[str, Any]:
     return {knob: value for knob, (value, _) in seen.items()}
 
 
-def check_role_variable(var: str, value: Any, host: str) -> None:
+def check_role_variable(var: str, value: Any, host: str, host_vars: dict[str, Any] | None = None) -> None:
     """A k31_* variable that is not a knob: a role's (argument_specs.yml) or a playbook's, else refused."""
+    host_vars = host_vars or {}
     if var in PLAYBOOK_VARS:
+        check_role_value(var, {"type": PLAYBOOK_VAR_TYPES[var], "source": PLAYBOOK_VARS[var]}, value, f"host {host}")
         return
     roles = role_variables()
     spec = roles.get(var)
@@ -236,16 +247,90 @@ def check_role_variable(var: str, value: Any, host: str) -> None:
             shown_value = "(value not shown: a secret)" if spec.get("no_log") else validate.shown(value[:40]) + "..."
             raise K31Error(f"{var}={shown_value} (host {host}) is not valid; valid: a PEM {kind}")
     if var.endswith("_extra_env") and isinstance(value, dict):    # lines of the engines' env files
+        # docker and podman read an --env-file more narrowly than systemd: the container runtime's rules
+        container = host_vars.get("k31_engine_runtime", "container") == "container"
         for key, item in value.items():
+            if isinstance(item, dict | list):
+                raise K31Error(f"{var} (host {host}) is not valid: the value of {validate.shown(key)} is a "
+                               f"{type(item).__name__}; valid: a string or a number")
             try:
-                envfile.line(key, item)
+                envfile.line(key, item, container=container)
             except K31Error as exc:
                 raise K31Error(f"{var} (host {host}) is not valid: {exc}") from None
+    check_role_value(var, spec, value, f"host {host}")
     choices = spec.get("choices")
     if choices and isinstance(value, str) and "{{" not in value and "{%" not in value and value not in choices:
         raise K31Error(f"{validate.named(var, value, f'host {host}')} is not valid; valid choices: "
                        f"{', '.join(repr(c) if c == '' else str(c) for c in choices)} "
                        f"(roles/{spec['role']}/meta/argument_specs.yml)")
+
+
+def check_role_value(var: str, spec: dict[str, Any], value: Any, where: str) -> None:
+    """A role variable's value against its argument spec's type, before any host is touched (Ansible checks the
+    spec only when the role starts, after the roles before it changed hosts), and the strings that reach a root
+    shell or a unit against an allow-list. A template (`{{ ... }}`) is Ansible's to resolve."""
+    if isinstance(value, str) and ("{{" in value or "{%" in value):
+        return
+    kind = spec.get("type", "str")
+
+    def refuse(valid: str) -> K31Error:
+        shown_value = "(value not shown: a secret)" if spec.get("no_log") else validate.shown(value)
+        source = spec.get("source") or f"roles/{spec['role']}/meta/argument_specs.yml"
+        return K31Error(f"{var}={shown_value} ({where}) is not valid; valid: {valid} ({source})")
+
+    if kind == "int":
+        text = str(value).strip() if isinstance(value, int | str) and not isinstance(value, bool) else ""
+        unlimited = spec.get("default") == -1    # -1 means unlimited there (a container's memlock)
+        if not (re.fullmatch(r"[0-9]{1,12}", text) or (unlimited and text == "-1")):
+            raise refuse("a whole number, 0 or more" + (", or -1 for unlimited" if unlimited else ""))
+        if var.endswith("_port") and not 1 <= int(text) <= 65535:
+            raise refuse("a port, 1 to 65535")
+    elif kind == "float":
+        try:
+            if validate.finite_float(value) < 0:
+                raise ValueError
+        except ValueError:
+            raise refuse("a finite number, 0 or more") from None
+    elif kind == "bool" and not (isinstance(value, bool) or str(value).strip().lower() in _BOOLEANS):
+        raise refuse("true or false")
+    elif kind == "dict" and not isinstance(value, dict):
+        raise refuse("a mapping")
+    elif kind == "list" and not isinstance(value, list | str):
+        raise refuse("a list")
+    elif kind == "path" and isinstance(value, str) and value and not validate.role_path(value):
+        raise refuse(validate.ROLE_PATH_VALID)
+    items = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+    if kind == "list" and spec.get("elements") in ("str", "path"):
+        for item in items:
+            if not isinstance(item, str) or validate.CONTROL.search(item):
+                raise refuse("a list of one-line strings")
+            if spec["elements"] == "path" and not validate.role_path(item):
+                raise refuse(f"a list of paths: {validate.ROLE_PATH_VALID}")
+    if var in CIDR_ROLE_VARS:
+        for item in items:
+            try:
+                ipaddress.ip_network(str(item).strip("[]"), strict=False)
+            except ValueError:
+                raise refuse("a list of IP networks (10.0.0.0/8, fd00::/64) or addresses") from None
+    if var == "k31_firewall_extra" and not all(_firewall_rule(i) for i in items):
+        raise refuse(validate.FIREWALL_EXTRA_VALID)
+    if var in STEM_ROLE_VARS and not all(isinstance(i, str) and _STEM.fullmatch(i) for i in items):
+        raise refuse("a list of names (letters, digits, '_', '-'), each NAME.env in the engine's etc dir")
+
+
+def _firewall_rule(item: Any) -> bool:
+    """A site rule of k31_firewall_extra whose every part nftables takes as written (firewall.rules)."""
+    if not isinstance(item, dict) or set(item) - {"ports", "proto", "sources", "comment"}:
+        return False
+    sources = item.get("sources") or []
+    try:
+        for source in sources if isinstance(sources, list) else [None]:
+            ipaddress.ip_network(str(source).strip("[]"), strict=False)
+    except ValueError:
+        return False
+    return (validate.FIREWALL_PORTS.fullmatch(str(item.get("ports", ""))) is not None
+            and item.get("proto", "tcp") in validate.FIREWALL_PROTOS
+            and not validate.CONTROL.search(str(item.get("comment", ""))))
 
 
 @dataclass

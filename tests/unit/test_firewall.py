@@ -76,6 +76,10 @@ def test_site_settings_are_networks_or_a_sentence():
     assert found[("9100", "tcp")].comment == "node exporter"
     with pytest.raises(K31Error, match=r"k31_firewall_public_sources entry 'everyone' is not an IP address"):
         firewall.rules(plan, "r0", firewall.Settings(public_sources=["everyone"]))
+    # the role's own check, behind the plan's: a port or protocol nftables would read as more statements
+    for bad in ({"ports": "9100\n}\ntable inet evil {"}, {"ports": "9100", "proto": "tcp; drop"}):
+        with pytest.raises(K31Error, match=r"^k31_firewall_extra entry .* is not valid; valid: a list of \{ports"):
+            firewall.rules(plan, "p0", firewall.Settings(extra=[bad]))
 
 
 def test_changes_add_missing_then_remove_only_k31s_stale_rules():

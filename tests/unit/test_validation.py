@@ -267,6 +267,76 @@ def test_role_variable_values_are_checked_against_their_choices():
     assert resolve(PD, pd_hosts(d0=ok))["servers"][1]["ranks"][0]["host"] == "d0"
 
 
+@pytest.mark.parametrize("var,value,valid", [
+    # strings a root-run shell task, unit or script holds unquoted (runtime_venv.yml's pip, ExecStart's script)
+    ("k31_engine_venv", "/opt/k31/venv$(reboot)", "a path of letters"),
+    ("k31_engine_sglang_src", "/src;reboot", "a path of letters"),
+    ("k31_engine_etc_dir", "/bin/sh -c id>/tmp/pwned #", "a path of letters"),
+    ("k31_wheelhouse_venv", '/opt/"$(reboot)"', "a path of letters"),
+    ("k31_redeploy_follow_python", "/usr/bin/python3 -c x", "a path of letters"),
+    # types Ansible would refuse only once the role starts, after the roles before it changed hosts
+    ("k31_engine_health_timeout", "soon", "a whole number, 0 or more"),
+    ("k31_engine_stop_timeout", -60, "a whole number, 0 or more"),
+    ("k31_engine_health_timeout", True, "a whole number, 0 or more"),
+    ("k31_firewall_ssh_port", 1000000000000, "a whole number"),
+    ("k31_firewall_ssh_port", 0, "a port, 1 to 65535"),
+    ("k31_container_runtime_memlock", -2, "a whole number, 0 or more, or -1 for unlimited"),
+    ("k31_reboot_ok", "maybe", "true or false"),
+    ("k31_engine_extra_env", "notadict", "a mapping"),
+    ("k31_preflight_model_gb", "1e400", "a finite number, 0 or more"),
+    ("k31_firewall_ssh_sources", ["0.0.0.0/0; id"], "a list of IP networks"),
+    ("k31_firewall_ssh_sources", "10.0.0.0/8 x", "a list of IP networks"),
+    ("k31_rdma_fabric_cidrs", ["fd00::/64", "eth0"], "a list of IP networks"),
+    ("k31_engine_host_env_files", ["../../etc/shadow"], "a list of names"),
+    ("k31_stamp_paths", ["/etc/k31", "/etc/$(id)"], "a list of paths"),
+])
+def test_role_variable_values_are_checked_against_their_types_before_any_host(var, value, valid):
+    message = refused(rf"^{re.escape(var)}=.* \(host d0\) is not valid; valid: {re.escape(valid)}",
+                      PD, pd_hosts(d0={var: value}))
+    assert message.endswith(("/meta/argument_specs.yml)", "(playbooks/prepare.yml)"))
+
+
+@pytest.mark.parametrize("rule", [
+    {"ports": "9100\n}\ntable inet evil {", "sources": ["10.0.0.0/8"]},    # a statement of its own in nftables
+    {"ports": "9100", "proto": "tcp; drop"},
+    {"ports": "9100", "sources": ["10.0.0.0/8 accept"]},
+    {"ports": "9100", "comment": "x\ny"},
+    {"ports": "9100", "prot": "udp"},
+    "9100",
+])
+def test_a_site_firewall_rule_nftables_would_not_take_as_written_is_refused(rule):
+    refused(r"^k31_firewall_extra=.* \(host d0\) is not valid; valid: a list of \{ports: ",
+            PD, pd_hosts(d0={"k31_firewall_extra": [rule]}))
+
+
+@pytest.mark.parametrize("var,value", [("k31_cluster_address", "0.0.0.0"), ("k31_cluster_address", "::"),
+                                       ("ansible_host", "0.0.0.0"), ("k31_cluster_address", "239.1.1.1")])
+def test_a_wildcard_or_multicast_bind_address_is_refused(var, value):
+    refused(rf"^{var}={re.escape(value)} \(host d0\) is not valid: internal services bind the host's cluster "
+            r"address, .*valid: the host's own IP or name$", PD, pd_hosts(d0={var: value}))
+
+
+def test_role_variable_values_of_the_right_type_pass_as_ini_and_yaml_give_them():
+    ok = {"k31_engine_health_timeout": "600", "k31_engine_stop_timeout": 0, "k31_container_runtime_memlock": -1,
+          "k31_firewall_ssh_port": "2222", "k31_reboot_ok": "yes", "k31_engine_venv": "/opt/k31/venv-2",
+          "k31_engine_wheelhouse": ".k31/wheelhouse", "k31_engine_sglang_src": "", "k31_preflight_model_gb": "1500.5",
+          "k31_firewall_ssh_sources": ["10.0.0.0/8", "fd00::/64", "192.0.2.7"], "k31_rdma_fabric_cidrs": "10.1.0.0/16",
+          "k31_engine_host_env_files": ["rdma", "model"], "k31_engine_extra_env": {"NCCL_SOCKET_IFNAME": "eth0"},
+          "k31_engine_etc_dir": "{{ site_etc }}",
+          "k31_firewall_extra": [{"ports": "9100-9102,443", "proto": "udp", "sources": ["10.0.0.0/8"], "comment": "x"},
+                                 {"ports": "8443"}]}
+    assert resolve(PD, pd_hosts(d0=ok))["servers"]
+
+
+def test_an_extra_env_value_the_container_runtime_cannot_read_is_refused_where_it_runs():
+    value = {"A": 'x"y\\z'}
+    refused(r"^k31_engine_extra_env \(host d0\) is not valid: the value of A .*docker/podman --env-file",
+            PD, pd_hosts(d0={"k31_engine_extra_env": value}))
+    assert resolve(PD, pd_hosts(d0={"k31_engine_extra_env": value, "k31_engine_runtime": "venv"}))["servers"]
+    refused(r"^k31_engine_extra_env \(host d0\) is not valid: the value of A is a list",
+            PD, pd_hosts(d0={"k31_engine_extra_env": {"A": [1]}}))
+
+
 def test_every_role_variable_the_specs_declare_is_known_and_playbook_variables_are_real():
     names = role_variables()
     for path in ROOT.glob("roles/*/defaults/main.yml"):
