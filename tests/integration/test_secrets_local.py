@@ -1,6 +1,6 @@
 """Secrets in a real `k31 deploy -vvv` on localhost (ansible_connection=local), no sandbox: a vaulted HF token
-reaches the hub download (a recording stand-in for the `hf` CLI) through its environment, and is in no
-process's /proc/<pid>/cmdline while the run lasts and in no file of the run record."""
+reaches the hub download (a recording stand-in for the `hf` CLI) through its environment, from a 0600 file, and is
+in no process's /proc/<pid>/cmdline while the run lasts, in no file of the run record and in no async job result."""
 
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def test_a_vaulted_hf_token_reaches_the_hub_cli_and_no_command_line_or_run_recor
     assert (models / "config.json").is_file()
     assert (tmp_path / "hf-record.token").read_text().strip() == TOKEN   # delivered
     assert TOKEN not in (tmp_path / "hf-record.argv").read_text()
+    # read from a 0600 file, not handed over on stdin: the async download's result (~/.ansible_async) holds no token
+    assert (tmp_path / "etc" / "hf-token").stat().st_mode & 0o777 == 0o600
+    async_dir = Path.home() / ".ansible_async"
+    assert files_holding(async_dir, TOKEN) == [] if async_dir.is_dir() else True
     assert watch.scans > 10 and watch.hits == set()
     [run_dir] = list((state / "runs").iterdir())
     assert "ESTABLISH LOCAL CONNECTION" in (run_dir / "artifacts" / run_dir.name / "stdout").read_text()  # -vvv

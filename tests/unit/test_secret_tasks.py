@@ -217,6 +217,19 @@ def test_no_loop_prints_the_result_of_a_task_that_handed_over_a_secret():
     assert looped_results() == []
 
 
+def async_leaks() -> list[str]:
+    """An async task's result, its module arguments (stdin) included, is what Ansible's async wrapper writes to the
+    host's ~/.ansible_async/<job>, no_log or not: a task handing over a secret does not run async."""
+    return [f"{where}: async writes its arguments ({sorted(used)}) to the host's ~/.ansible_async; read the secret "
+            f"from a 0600 file instead" for where, task, path in all_tasks()
+            if "async" in task and (used := handed_over(task, path))]
+
+
+def test_no_async_task_hands_over_a_secret():
+    assert len([task for _, task, _ in all_tasks() if "async" in task]) >= 2
+    assert async_leaks() == []
+
+
 def test_no_secret_goes_through_environment():
     assert environment_leaks() == []
 
