@@ -21,12 +21,13 @@ try:
     from k31deploy.paths import state_dir
     from k31deploy.plan import Plan, Rank
     from k31deploy.recipe import from_mapping, resolve
-    from k31deploy.recipe.hosts import K31_GROUPS, serves_image
+    from k31deploy.recipe.hosts import K31_GROUPS, check_groups, serves_image
 except ImportError as exc:  # pragma: no cover - only without the package installed
     raise AnsibleFilterError(f"k31 filters need the k31deploy package (pip install -e .): {exc}") from exc
 
 
 def _hosts(groups: dict[str, list[str]], hostvars: Any) -> list:
+    check_groups(dict(groups), "the inventory")
     names: list[str] = []
     for group in K31_GROUPS:
         names += [h for h in groups.get(group, []) if h not in names]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from k31deploy.catalog import knob_specs
 from k31deploy.errors import K31Error
-from k31deploy.recipe.hosts import K31_GROUPS, LAYOUT_VARS, Host, from_mapping
+from k31deploy.recipe.hosts import K31_GROUPS, LAYOUT_VARS, Host, check_groups, from_mapping
 from k31deploy.validate import shown
 
 
@@ -25,6 +25,11 @@ def load_hosts(source: str) -> list[Host]:
         inventory = InventoryManager(loader=loader, sources=[source])
     except AnsibleError as exc:
         raise K31Error(f"inventory {source} could not be parsed: {str(exc).splitlines()[0]}") from None
+    if not inventory._inventory.processed_sources:    # Ansible warned why; it goes on with an empty inventory
+        raise K31Error(f"inventory {source} could not be parsed as an Ansible inventory (INI or YAML; Ansible's "
+                       f"warnings above say where); valid: an inventory as ansible-inventory -i {source} --list reads")
+    check_groups({name: [h.name for h in group.get_hosts()] for name, group in inventory.groups.items()},
+                 f"inventory {source}")
     if not inventory.list_hosts("all") or not any(g in inventory.groups for g in K31_GROUPS):
         raise K31Error(
             f"inventory {source} has no host in a k31 group; valid groups: {', '.join(K31_GROUPS)}"

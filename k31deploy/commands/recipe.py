@@ -46,7 +46,12 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     knobs = parse_sets(args.sets)
     for name in ("platform", "agents", "topology", *STRATEGY_KNOB.values()):
         if getattr(args, name) is not None:
-            knobs[name] = coerce(name, getattr(args, name), f"--{name.replace('_', '-')}")
+            flag = f"--{name.replace('_', '-')}"
+            value = coerce(name, getattr(args, name), flag)
+            if name in knobs and knobs[name] != value:
+                raise K31Error(f"{name} is given twice, {flag} {value} and --set {name}={knobs[name]}; valid: one "
+                               f"of them")
+            knobs[name] = value
     return knobs
 
 

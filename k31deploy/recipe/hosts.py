@@ -157,6 +157,16 @@ def resolved(hosts: list[Host]) -> list[Host]:
     return out
 
 
+def check_groups(groups: dict[str, list[str]], where: str) -> None:
+    """A group named k31_* that is none of k31's, with hosts in it: a typo (k31_prefil) that would leave its hosts
+    out of the plan without a word."""
+    for group in sorted(groups):
+        if group.startswith("k31_") and group not in K31_GROUPS and groups[group]:
+            raise K31Error(f"group {validate.shown(group)} of {where} is not a k31 group, so its hosts "
+                           f"({validate.shown(', '.join(groups[group][:3]))}) would be left out; "
+                           f"{closest(group, K31_GROUPS)}valid groups: {', '.join(K31_GROUPS)}")
+
+
 def check_hosts(hosts: list[Host]) -> None:
     """Host names, addresses (ansible_host, or the name) and engine hosts' server names, each against its
     allow-list: they reach unit files, env files, URLs and ssh."""

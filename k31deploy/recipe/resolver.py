@@ -239,7 +239,8 @@ class _Resolver:
             wide = {r: (s, c) for r, cs in platform_cells(self.platform).items() for s, c in cs.items()
                     if c.get("knob") == "wide_ep"}
             if not wide:
-                raise K31Error(f"wide_ep=true is a GB300 decode cell; {self.platform} does not offer it")
+                raise K31Error(f"wide_ep=true is a GB300 decode cell; {self.platform} does not offer it (valid "
+                               f"there: wide_ep=false, or platform=gb300)")
             if self.topology != "pd":
                 raise K31Error("wide_ep=true is a PD decode server; set topology=pd")
             if "decode_strategy" in self.k:

@@ -315,3 +315,37 @@ def test_public_address_is_for_the_router_host_only():
              from_mapping("r", ["k31_router"], {"ansible_host": "10.0.0.3"})]
     with pytest.raises(K31Error, match="k31_public_address is set on host a, which is not in k31_router"):
         resolve({"platform": "mi355x", "agents": 92}, hosts)
+
+
+# -- the command line's own refusals -----------------------------------------------------------------
+
+def test_a_usage_error_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--agents", "abc"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "error: k31 plan: argument --agents: invalid int value: 'abc' (see k31 plan --help)\n"
+
+
+def test_a_knob_given_by_flag_and_by_set_must_agree(capsys):
+    code, out, err = run_cli(capsys, "plan", "--platform", "gb300", "--set", "platform=mi355x")
+    assert (code, out) == (2, "")
+    assert err == ("error: platform is given twice, --platform gb300 and --set platform=mi355x; valid: one of "
+                   "them\n")
+    assert run_cli(capsys, "plan", "--platform", "mi355x", "--agents", "4", "--set", "agents=4")[0] == 0
+
+
+def test_a_mistyped_k31_group_and_an_unparsable_inventory_are_refused(tmp_path, capsys):
+    typo = tmp_path / "typo.ini"
+    typo.write_text("[k31_prefil]\np0 ansible_host=10.0.0.1\n[k31_decode]\nd0 ansible_host=10.0.0.2\n"
+                    "[k31_router]\nr0 ansible_host=10.0.0.3\n[all:vars]\nk31_platform=mi355x\nk31_agents=92\n")
+    code, _, err = run_cli(capsys, "plan", "-i", str(typo))
+    assert code == 2 and err == (
+        f"error: group k31_prefil of inventory {typo} is not a k31 group, so its hosts (p0) would be left out; did "
+        f"you mean k31_prefill? valid groups: k31_unified, k31_prefill, k31_decode, k31_router, k31_mooncake_master, "
+        f"k31_monitoring\n")
+    broken = tmp_path / "broken.ini"
+    broken.write_text("[k31_decode\nd0\n")
+    code, _, err = run_cli(capsys, "plan", "-i", str(broken))
+    assert code == 2 and err.splitlines()[-1].startswith(f"error: inventory {broken} could not be parsed as an "
+                                                         f"Ansible inventory")

@@ -401,6 +401,18 @@ def test_the_filter_refuses_what_the_cli_refuses():
             k31_plan(groups, hostvars, settings)
 
 
+def test_the_filter_refuses_a_mistyped_k31_group_as_the_cli_does():
+    spec = importlib.util.spec_from_file_location("k31_filter", ROOT / "filter_plugins/k31.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    k31_plan = module.FilterModule().filters()["k31_plan"]
+    groups = {"all": ["p0", "d0", "r0"], "k31_prefil": ["p0"], "k31_decode": ["d0"], "k31_router": ["r0"]}
+    hostvars = {h: {"k31_platform": "mi355x", "k31_agents": 92} for h in groups["all"]}
+    error = k31_plan(groups, hostvars, {}, on_error="return")["error"]
+    assert error.startswith("group k31_prefil of the inventory is not a k31 group, so its hosts (p0) would be left "
+                            "out; did you mean k31_prefill?"), error
+
+
 def test_role_variable_strings_carry_no_control_characters_and_secrets_are_not_echoed():
     refused(r"^k31_engine_etc_dir=/etc/k31\\n \(host d0\) is not valid: it contains the control character \\n",
             PD, pd_hosts(d0={"k31_engine_etc_dir": "/etc/k31\n"}))
