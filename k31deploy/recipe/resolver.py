@@ -588,6 +588,12 @@ class _Resolver:
             self.warn(f"router_dialect={self.dialect} takes no --model-id (PyPI sglang-router 0.3.2): k31 leaves out "
                       f"seed 3.3's --model-id, and its --tokenizer-path with it (power_of_two routing reads no "
                       f"tokens)")
+        host = self.router_host
+        if (self.router == "sglang" and self.topology == "pd" and not self.public_tls and host is not None
+                and host.public_address != host.address):    # oncall/rollout.follow_config: router_url
+            self.warn(f"the PD watchers on the prefill hosts drain through the router's worker API at its public "
+                      f"address {host.public_address}, so without public_tls its control-plane key crosses that "
+                      f"network in the clear; set public_tls=true")
         expected = measured["router"].get(self.family_name)
         if self.router != "none" and expected and self.router != expected:
             self.warn(f"router={self.router} is derived from the same engine settings and was not measured; "

@@ -143,3 +143,13 @@ def test_launch_scripts_read_pem_env_from_files_and_containers_take_it_by_name()
     assert argv[argv.index("--env-file") + 2:argv.index("--env-file") + 8] == [
         "-e", "ETCD_AUTH_CA", "-e", "ETCD_AUTH_CLIENT_CERT", "-e", "ETCD_AUTH_CLIENT_KEY"]
     assert not any("BEGIN" in token for token in argv)
+
+
+def test_the_watchers_control_plane_key_on_a_public_address_in_the_clear_is_warned_about():
+    warning = ("the PD watchers on the prefill hosts drain through the router's worker API at its public address "
+               "192.0.2.9, so without public_tls its control-plane key crosses that network in the clear; set "
+               "public_tls=true")
+    assert warning in resolve({"platform": "mi355x", "agents": 92}, hosts())["warnings"]
+    assert warning not in resolve({"platform": "mi355x", "agents": 92, "public_tls": True}, hosts())["warnings"]
+    same = resolve({"platform": "mi355x", "agents": 92}, hosts(router_public=""))["warnings"]
+    assert not [w for w in same if "PD watchers" in w]
