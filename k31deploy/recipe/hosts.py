@@ -205,7 +205,7 @@ def inventory_knobs(hosts: list[Host]) -> dict[str, Any]:
             if knob not in specs:
                 check_role_variable(var, value, host.name, host.vars)
                 continue
-            if knob in seen and seen[knob][0] != value:
+            if knob in seen and seen[knob][0] != value and repr(seen[knob][0]) != repr(value):    # nan != nan
                 other_value, other = seen[knob]
                 hint = " (both PD roles must use the same backend)" if knob == "attention_backend" else ""
                 raise K31Error(

@@ -130,6 +130,13 @@ def test_a_knob_set_on_some_hosts_only_is_the_clusters_and_the_plan_says_so():
     assert not [w for w in p["warnings"] if "some hosts only" in w]
 
 
+def test_a_nan_knob_on_several_hosts_is_refused_as_not_finite_not_as_differing():
+    layout = [Host(n, f"10.0.0.{i}", (g,), {"k31_mem_fraction_static": float("nan")})
+              for i, (n, g) in enumerate((("p0", "k31_prefill"), ("d0", "k31_decode")))]
+    with pytest.raises(K31Error, match=r"^mem_fraction_static=nan \(inventory\) is not valid; expected a finite"):
+        resolve({"platform": "mi355x", "agents": 92}, [*layout, Host("r0", "10.0.0.9", ("k31_router",), {})])
+
+
 def test_wrong_host_count_for_a_layout_is_refused():
     with pytest.raises(K31Error, match=r"server d0 has 1 host\(s\) \(t2\) but decode balanced on gb300 needs 2"):
         resolve({"platform": "gb300", "topology": "pd", "max_running_requests": 8},
