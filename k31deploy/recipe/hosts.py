@@ -56,6 +56,8 @@ STEM_ROLE_VARS = ("k31_engine_host_env_files",)
 _STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", re.ASCII)
 # Ansible's boolean spellings (module_utils.parsing.convert_bool), as INI group vars arrive: strings.
 _BOOLEANS = {"yes", "on", "1", "true", "y", "t", "no", "off", "0", "false", "n", "f"}
+# What a role variable's checks read; anything else is vaulted (ansible's EncryptedString, not a str).
+PLAIN = (str, int, float, bool, list, dict)
 # Names k31 redeploy / k31 logs take as targets besides server names: a server may not be called so.
 RESERVED_SERVER_NAMES = (*ROLES, "router")
 
@@ -260,6 +262,8 @@ def check_role_variable(var: str, value: Any, host: str, host_vars: dict[str, An
         # docker and podman read an --env-file more narrowly than systemd: the container runtime's rules
         container = host_vars.get("k31_engine_runtime", "container") == "container"
         for key, item in value.items():
+            if not isinstance(item, PLAIN):    # vaulted
+                continue
             if isinstance(item, dict | list):
                 raise K31Error(f"{var} (host {host}) is not valid: the value of {validate.shown(key)} is a "
                                f"{type(item).__name__}; valid: a string or a number")
@@ -279,8 +283,8 @@ def check_role_value(var: str, spec: dict[str, Any], value: Any, where: str) -> 
     """A role variable's value against its argument spec's type, before any host is touched (Ansible checks the
     spec only when the role starts, after the roles before it changed hosts), and the strings that reach a root
     shell or a unit against an allow-list. A template (`{{ ... }}`) is Ansible's to resolve."""
-    if isinstance(value, str) and ("{{" in value or "{%" in value):
-        return
+    if not isinstance(value, PLAIN) or (isinstance(value, str) and ("{{" in value or "{%" in value)):
+        return    # a vaulted value (EncryptedString) cannot be read without its secret; the role checks it
     kind = spec.get("type", "str")
 
     def refuse(valid: str) -> K31Error:
@@ -309,7 +313,8 @@ def check_role_value(var: str, spec: dict[str, Any], value: Any, where: str) -> 
         raise refuse("a list")
     elif kind == "path" and isinstance(value, str) and value and not validate.role_path(value):
         raise refuse(validate.ROLE_PATH_VALID)
-    items = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+    items = [i for i in (value if isinstance(value, list) else [value] if isinstance(value, str) else [])
+             if isinstance(i, PLAIN)]
     if kind == "list" and spec.get("elements") in ("str", "path"):
         for item in items:
             if not isinstance(item, str) or validate.CONTROL.search(item):

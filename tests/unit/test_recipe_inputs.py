@@ -356,3 +356,20 @@ def test_a_mistyped_k31_group_and_an_unparsable_inventory_are_refused(tmp_path, 
     code, _, err = run_cli(capsys, "plan", "-i", str(broken))
     assert code == 2 and err.splitlines()[-1].startswith(f"error: inventory {broken} could not be parsed as an "
                                                          f"Ansible inventory")
+
+
+def test_a_vaulted_role_variable_is_left_to_its_role_not_a_traceback(tmp_path, capsys):
+    from ansible.constants import DEFAULT_VAULT_ID_MATCH
+    from ansible.parsing.vault import VaultLib, VaultSecret
+
+    secret = VaultLib([(DEFAULT_VAULT_ID_MATCH, VaultSecret(b"pw"))]).encrypt("60").decode()
+    block = "\n".join(f"        {line}" for line in secret.splitlines())
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text("all:\n  vars:\n    k31_platform: mi355x\n    k31_agents: 16\n"
+                         f"    k31_engine_health_timeout: !vault |\n{block}\n"
+                         "    k31_engine_extra_env:\n      A: !vault |\n"
+                         + "\n".join(f"  {line}" for line in block.splitlines()) + "\n"
+                         "  children:\n    k31_unified:\n      hosts:\n        u0: {ansible_host: 10.0.0.1}\n")
+    code, out, err = run_cli(capsys, "plan", "-i", str(inventory), "--json")
+    assert (code, err) == (0, ""), err
+    assert json.loads(out)["servers"][0]["ranks"][0]["host"] == "u0"
