@@ -310,10 +310,15 @@ class _Server:
                      f"{self.budget} - the pool {self.n} requests need ({self.per_req} each, {self.ratio} "
                      f"KDA slot(s) per request, {self.mode_text}): the most weights per GPU that still fit")
             if self.weights is None and avail < need:
+                # name the setting that is out of range, where it is not max_running_requests itself
+                hint = ("; the static memory fraction came out at or below 0: lower cuda_graph_max_bs_decode or set "
+                        "mem_fraction_static" if self.mfs <= 0 else
+                        f"; lower kda_state_slots: its KDA states alone need {fmt_bytes(self.slots_w * self.k)}"
+                        if self.mode == "explicit" and self.slots_w * self.k > avail else "")
                 self.refusal = self._refusal(
                     "--max-mamba-cache-size gives too few KDA slots" if math.isinf(need) else
                     f"even with no weights, {self.budget} leaves {fmt_bytes(avail)} per GPU, short of the "
-                    f"{fmt_bytes(need)} it needs")
+                    f"{fmt_bytes(need)} it needs{hint}")
         if self.weights is None:
             self.put("fits", False if self.refusal else None,
                      "not with any weights" if self.refusal else "unchecked: the weights per GPU are unknown")

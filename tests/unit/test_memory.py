@@ -313,6 +313,17 @@ def test_plan_that_cannot_fit_even_without_weights_is_refused_with_numbers():
     assert "max_running_requests=100000" in message and "GB" in message and "\n" not in message
 
 
+def test_a_refusal_without_weights_names_the_setting_out_of_range():
+    with pytest.raises(K31Error, match=r"; lower kda_state_slots: its KDA states alone need [0-9.e+]+ TB$"):
+        resolve({"platform": "gb300", "kda_state_slots": 2**31 - 1, "max_running_requests": 8})
+    with pytest.raises(K31Error, match=r"; the static memory fraction came out at or below 0: lower "
+                                       r"cuda_graph_max_bs_decode or set mem_fraction_static$"):
+        resolve({"platform": "gb300", "cuda_graph_max_bs_decode": 999_999_999, "max_running_requests": 8})
+    with pytest.raises(K31Error) as info:    # max_running_requests itself too high: no other setting named
+        resolve({"platform": "mi355x", "max_running_requests": 100_000})
+    assert str(info.value).endswith("it needs")
+
+
 def test_weights_past_the_headroom_are_refused():
     head = memory(platform="mi355x", agents=56)["weights_headroom_bytes"]
     fits = resolve({"platform": "mi355x", "agents": 56})
