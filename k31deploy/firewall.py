@@ -78,17 +78,10 @@ def rules(doc: Plan | dict[str, Any], host: str, settings: Settings) -> list[Rul
     out = [Rule(str(settings.ssh_port), _networks(settings.ssh_sources, "k31_firewall_ssh_sources"),
                 "ssh: the controller's way in")]
     endpoint = client_endpoints(plan)
-    # ai-dynamo 1.6.1 serves its /engine control routes unauthenticated on the worker status port (README): by
-    # default only the engine hosts (health gates, PD watchers) and the monitoring host (Prometheus, blackbox
-    # probes) reach it -- not the frontend's host, which faces clients
-    status = cluster if settings.cluster_sources else _networks(
-        [r.address for s in plan.servers for r in s.ranks] + ([plan.monitoring.address] if plan.monitoring else []),
-        "engine and monitoring addresses")
     for entry in plan.ports:
         if entry.host != host:
             continue
-        sources = (public if (entry.host, entry.port) in endpoint else
-                   status if entry.service == "dynamo-worker" else cluster)
+        sources = public if (entry.host, entry.port) in endpoint else cluster
         numbers = f"{entry.port}-{entry.port_last}" if entry.port_last else str(entry.port)
         out.append(Rule(numbers, sources, f"{entry.service}: {entry.purpose}", entry.proto))
     mine = plan.placed(host)
