@@ -47,7 +47,7 @@ class Settings:
 
 def _network(text: str, what: str) -> str:
     try:
-        return str(ipaddress.ip_network(str(text).strip("[]"), strict=False))
+        return validate.network(text)
     except ValueError:
         raise K31Error(f"{what} entry {text!r} is not an IP address or network (CIDR)") from None
 
@@ -97,11 +97,10 @@ def rules(doc: Plan | dict[str, Any], host: str, settings: Settings) -> list[Rul
                 out.append(Rule("", _networks(peers, "server addresses"), f"{server.name}: its other nodes "
                                 f"(NCCL and torch.distributed pick their ports at run time)", proto))
     for extra in settings.extra:
-        ports, proto = str(extra.get("ports", "")), str(extra.get("proto", "tcp"))
-        if not validate.FIREWALL_PORTS.fullmatch(ports) or proto not in validate.FIREWALL_PROTOS:
+        if not validate.firewall_rule(extra):
             raise K31Error(f"k31_firewall_extra entry {extra!r} is not valid; valid: {validate.FIREWALL_EXTRA_VALID}")
-        out.append(Rule(ports, _networks(extra.get("sources") or ANY, "k31_firewall_extra"),
-                        str(extra.get("comment", "site rule")), proto))
+        out.append(Rule(str(extra.get("ports", "")), _networks(extra.get("sources") or ANY, "k31_firewall_extra"),
+                        str(extra.get("comment", "site rule")), str(extra.get("proto", "tcp"))))
     return out
 
 

@@ -91,7 +91,8 @@ def bind_address(setting: str, value: Any, where: str = "") -> str:
     """A host address services bind (the cluster or public address): one of the host's own, so not the wildcard
     (0.0.0.0, ::) that would expose every internal service on every interface, nor a multicast address."""
     text = address(setting, value, where)
-    if is_ip(text) and (ipaddress.ip_address(text).is_unspecified or ipaddress.ip_address(text).is_multicast):
+    ip = ipaddress.ip_address(text) if is_ip(text) else None
+    if ip is not None and (ip.is_unspecified or ip.is_multicast):
         raise K31Error(f"{named(setting, text, where)} is not valid: internal services bind the host's cluster "
                        f"address, and {text} is not one of the host's addresses; valid: the host's own IP or name")
     return text
@@ -159,11 +160,29 @@ def role_path(text: str) -> bool:
     return len(text) <= 4096 and all(_PATH_PART.fullmatch(p) for p in (parts[1:] if text.startswith("/") else parts))
 
 
-# A site firewall rule's ports (k31_firewall_extra): nftables' port, range or comma list, and its protocol.
-FIREWALL_PORTS = re.compile(r"[0-9]{1,5}(?:-[0-9]{1,5})?(?:,[0-9]{1,5}(?:-[0-9]{1,5})?)*", re.ASCII)
-FIREWALL_PROTOS = ("tcp", "udp")
+def network(text: Any) -> str:
+    """An IP network or address (an IPv6 literal's brackets dropped) as a firewall source takes it; ValueError else."""
+    return str(ipaddress.ip_network(str(text).strip("[]"), strict=False))
+
+
+# A site firewall rule (k31_firewall_extra): nftables' port, range or comma list, its protocol, networks, a comment.
+_FIREWALL_PORTS = re.compile(r"[0-9]{1,5}(?:-[0-9]{1,5})?(?:,[0-9]{1,5}(?:-[0-9]{1,5})?)*", re.ASCII)
 FIREWALL_EXTRA_VALID = ("a list of {ports: 8443 | 9000-9100 | 80,443, proto: tcp | udp, sources: [IP networks], "
                         "comment: one line}")
+
+
+def firewall_rule(item: Any) -> bool:
+    """A site rule whose every part nftables takes as written (the plan's role-variable check, firewall.rules)."""
+    if not isinstance(item, dict) or set(item) - {"ports", "proto", "sources", "comment"}:
+        return False
+    sources = item.get("sources") or []
+    try:
+        for source in sources if isinstance(sources, list) else [None]:
+            network(source)
+    except ValueError:
+        return False
+    return (_FIREWALL_PORTS.fullmatch(str(item.get("ports", ""))) is not None
+            and item.get("proto", "tcp") in ("tcp", "udp") and not CONTROL.search(str(item.get("comment", ""))))
 
 
 MODEL_PATH_VALID = f"a Hugging Face id (org/name: letters, digits, '.', '_', '-') or {PATH_VALID}"

@@ -30,12 +30,11 @@ K31_GROUPS = (*ENGINE_GROUPS.values(), ROUTER_GROUP, MOONCAKE_GROUP, MONITORING_
 # else named k31_* is a typo and is refused, as a typo'd knob is: `k31_router_api_kye` would otherwise
 # leave the router without its key.
 LAYOUT_VARS = ("k31_server", "k31_node_rank", "k31_cluster_address", "k31_public_address")
-PLAYBOOK_VARS = {
-    "k31_reboot_ok": "playbooks/prepare.yml",
-    "k31_teardown_confirm": "playbooks/teardown.yml",
-    "k31_teardown_purge": "playbooks/teardown.yml",
+PLAYBOOK_VARS = {    # each as a role variable's spec: its type, and the playbook that reads it
+    "k31_reboot_ok": {"type": "bool", "source": "playbooks/prepare.yml"},
+    "k31_teardown_confirm": {"type": "str", "source": "playbooks/teardown.yml"},
+    "k31_teardown_purge": {"type": "bool", "source": "playbooks/teardown.yml"},
 }
-PLAYBOOK_VAR_TYPES = {"k31_reboot_ok": "bool", "k31_teardown_confirm": "str", "k31_teardown_purge": "bool"}
 ROLES_DIR = Path(__file__).resolve().parents[2] / "roles"
 # Roles only other roles include (roles/k31_unit: a unit's lifecycle): those roles set their variables, which
 # an inventory could not change, so one naming them is refused like any other unknown k31_* variable.
@@ -222,7 +221,7 @@ def check_role_variable(var: str, value: Any, host: str, host_vars: dict[str, An
     """A k31_* variable that is not a knob: a role's (argument_specs.yml) or a playbook's, else refused."""
     host_vars = host_vars or {}
     if var in PLAYBOOK_VARS:
-        check_role_value(var, {"type": PLAYBOOK_VAR_TYPES[var], "source": PLAYBOOK_VARS[var]}, value, f"host {host}")
+        check_role_value(var, PLAYBOOK_VARS[var], value, f"host {host}")
         return
     roles = role_variables()
     spec = roles.get(var)
@@ -324,28 +323,13 @@ def check_role_value(var: str, spec: dict[str, Any], value: Any, where: str) -> 
     if var in CIDR_ROLE_VARS:
         for item in items:
             try:
-                ipaddress.ip_network(str(item).strip("[]"), strict=False)
+                validate.network(item)
             except ValueError:
                 raise refuse("a list of IP networks (10.0.0.0/8, fd00::/64) or addresses") from None
-    if var == "k31_firewall_extra" and not all(_firewall_rule(i) for i in items):
+    if var == "k31_firewall_extra" and not all(validate.firewall_rule(i) for i in items):
         raise refuse(validate.FIREWALL_EXTRA_VALID)
     if var in STEM_ROLE_VARS and not all(isinstance(i, str) and _STEM.fullmatch(i) for i in items):
         raise refuse("a list of names (letters, digits, '_', '-'), each NAME.env in the engine's etc dir")
-
-
-def _firewall_rule(item: Any) -> bool:
-    """A site rule of k31_firewall_extra whose every part nftables takes as written (firewall.rules)."""
-    if not isinstance(item, dict) or set(item) - {"ports", "proto", "sources", "comment"}:
-        return False
-    sources = item.get("sources") or []
-    try:
-        for source in sources if isinstance(sources, list) else [None]:
-            ipaddress.ip_network(str(source).strip("[]"), strict=False)
-    except ValueError:
-        return False
-    return (validate.FIREWALL_PORTS.fullmatch(str(item.get("ports", ""))) is not None
-            and item.get("proto", "tcp") in validate.FIREWALL_PROTOS
-            and not validate.CONTROL.search(str(item.get("comment", ""))))
 
 
 @dataclass

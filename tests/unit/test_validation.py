@@ -346,8 +346,8 @@ def test_every_role_variable_the_specs_declare_is_known_and_playbook_variables_a
             known = {name for entry in specs.values() for name in entry.get("options") or {}}
         for var in yaml.safe_load(path.read_text()) or {}:
             assert var in known, (path, var)
-    for var, playbook in PLAYBOOK_VARS.items():
-        assert var in (ROOT / playbook).read_text(), (var, playbook)
+    for var, spec in PLAYBOOK_VARS.items():
+        assert var in (ROOT / spec["source"]).read_text(), (var, spec)
     knobs = {f"k31_{k}" for k in knob_specs()}
     for path in [ROOT / "deploy.yml", *ROOT.glob("playbooks/*.yml")]:
         for var in re.findall(r"\b(k31_\w+) *\| *default\(", path.read_text()):
@@ -380,11 +380,16 @@ def test_cli_templates_inventory_values_as_a_playbook_would(tmp_path, capsys):
     assert plan["knobs"]["model_path"] == "/models/k31" and plan["servers"][0]["ranks"][0]["address"] == "10.0.0.2"
 
 
-def test_the_filter_refuses_what_the_cli_refuses():
+def filter_k31_plan():
+    """The validate play's k31_plan filter, loaded as Ansible loads filter_plugins/k31.py."""
     spec = importlib.util.spec_from_file_location("k31_filter", ROOT / "filter_plugins/k31.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    k31_plan = module.FilterModule().filters()["k31_plan"]
+    return module.FilterModule().filters()["k31_plan"]
+
+
+def test_the_filter_refuses_what_the_cli_refuses():
+    k31_plan = filter_k31_plan()
     groups = {"all": ["p0", "d0", "r0"], "k31_prefill": ["p0"], "k31_decode": ["d0"], "k31_router": ["r0"]}
     base = {"k31_platform": "mi355x", "k31_agents": 92}
     cases = [({"d0": {"ansible_host": "10.0.0.2\nX=1"}}, {}, r"ansible_host=10.0.0.2\nX=1 (host d0)"),
@@ -402,10 +407,7 @@ def test_the_filter_refuses_what_the_cli_refuses():
 
 
 def test_the_filter_refuses_a_mistyped_k31_group_as_the_cli_does():
-    spec = importlib.util.spec_from_file_location("k31_filter", ROOT / "filter_plugins/k31.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    k31_plan = module.FilterModule().filters()["k31_plan"]
+    k31_plan = filter_k31_plan()
     groups = {"all": ["p0", "d0", "r0"], "k31_prefil": ["p0"], "k31_decode": ["d0"], "k31_router": ["r0"]}
     hostvars = {h: {"k31_platform": "mi355x", "k31_agents": 92} for h in groups["all"]}
     error = k31_plan(groups, hostvars, {}, on_error="return")["error"]
