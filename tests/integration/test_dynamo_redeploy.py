@@ -119,7 +119,13 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
     # on the same address and port, Dynamo 1.6.1's frontend sent the first request over it and failed it ("TCP
     # request failed ... peer closed connection without sending TLS close_notify", 503 to the client), one per
     # restarted worker, before each start took the next port of the range.
-    assert report.counts["complete"] == len(report.records), report.counts
+    if report.counts["complete"] != len(report.records):     # say where each failed request went wrong
+        for host, unit in [("router0", "k31-dynamo-frontend")] + [(f"{s}-t0", f"k31-{s}-r0") for s in SERVERS]:
+            print(f"== {host}: {unit}'s warnings and errors\n" + node_sh(
+                NAME, host, f"journalctl -o short-monotonic --no-pager -u {unit} | grep -iE 'warn|error|fail'"
+                            " | tail -n 40", check=False))
+    assert report.counts["complete"] == len(report.records), (report.counts, [
+        (round(r.start, 1), r.outcome, r.status, r.detail[:300]) for r in report.failures()])
     taken = {server: request_port(server) for server in SERVERS}
     for server in [s for s in SERVERS if taken[s] != ports[s] + 1]:    # a second start: say whose
         for host, journal in journals(server).items():
