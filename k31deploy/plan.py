@@ -15,7 +15,7 @@ Layer: base (docs/architecture.md); imports `errors` and `address` only, so ever
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Any
@@ -142,6 +142,13 @@ class Rank:
                    argv=tuple(doc.need("argv", list)), env=doc.mapping("env"),
                    env_from_files=doc.mapping("env_from_files"), auth_file=doc.get("auth_file", str),
                    request_plane_ports=(int(ports[0]), int(ports[1])) if ports else None)
+
+
+def kv_crosses_nodes(topology: str, servers: Iterable[tuple[int, str]]) -> bool:
+    """KV or tensors leave a node: PD's transfer, a server on several nodes, or a Mooncake store (its
+    MOONCAKE_PROTOCOL is rdma). `servers` are (nnodes, kv_offload) pairs: the plan's (the resolver maps the
+    family's RDMA devices into the containers then) or one host's (pre-flight requires RDMA ports there)."""
+    return topology == "pd" or any(nnodes > 1 or kv_offload == "mooncake" for nnodes, kv_offload in servers)
 
 
 @dataclass(frozen=True)

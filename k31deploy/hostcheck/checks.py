@@ -16,7 +16,7 @@ from typing import Any
 from k31deploy import memory
 from k31deploy.errors import K31Error
 from k31deploy.hostcheck import gpu, rdma, system
-from k31deploy.plan import Plan
+from k31deploy.plan import Plan, kv_crosses_nodes
 
 GB = 10**9
 # A GPU reports a little less than its HBM (firmware, ECC): an H200 141 GiB shows 143,771 MiB (99.6%).
@@ -293,10 +293,8 @@ class _Host:
         self.facts["rdma_ports"] = [p.to_dict() for p in ports]
         required = self.s.require_rdma
         if required is None:
-            # KV or tensors leave the node: PD's transfer, a server on several nodes, or a Mooncake store (its
-            # MOONCAKE_PROTOCOL is rdma); the same cases map the MI35x RDMA devices into containers (resolver)
-            spans = self.plan.topology == "pd" or any(s.layout.nnodes > 1 or s.kv_offload == "mooncake"
-                                                      for s in self.servers)
+            # KV or tensors leave this host's servers' nodes (NVL72 moves them over NVLink)
+            spans = kv_crosses_nodes(self.plan.topology, [(s.layout.nnodes, s.kv_offload) for s in self.servers])
             required = self.s.require_gpu and spans and not self.spec.nvl72
         why = ("the plan moves KV or tensors between nodes (PD or multi-node) over RDMA" if required
                else "not required here (k31_preflight_require_rdma sets it)")

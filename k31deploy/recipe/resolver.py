@@ -36,7 +36,7 @@ from k31deploy.engine import cli as engine_cli
 from k31deploy.engine import lane
 from k31deploy.errors import K31Error
 from k31deploy.memory import Options, annotate_plan
-from k31deploy.plan import EngineSettings
+from k31deploy.plan import EngineSettings, kv_crosses_nodes
 from k31deploy.recipe import hosts as hostlib
 from k31deploy.recipe import model, ports
 from k31deploy.recipe.argv import DYNAMO_PARSER_WARNING, EngineArgv, dist_init_port, router_plan, router_tokenizer
@@ -729,7 +729,7 @@ class _Resolver:
         """The family's device, IPC, shm and memlock flags, its RDMA ones where KV moves between nodes; NVL72 adds
         the IMEX channel."""
         flags = list(self.family["container_flags"])
-        if self.topology == "pd" or any(s.kv_offload == "mooncake" or s.layout["nnodes"] > 1 for s in self.servers):
+        if kv_crosses_nodes(self.topology, [(s.layout["nnodes"], s.kv_offload) for s in self.servers]):
             flags += self.family.get("rdma_container_flags", [])
         if self.pinfo.get("nvl72") and any(s.layout["nnodes"] > 1 for s in self.servers):
             flags += self.cat["nvl72"]["container_flags"]
