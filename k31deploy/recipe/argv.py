@@ -301,6 +301,7 @@ def router_plan(r: Setup, servers: list[dict[str, Any]]) -> dict[str, Any] | Non
         argv = [*dyn["frontend"], "--http-host", host.public_address, "--http-port", str(cat["ports"]["router"]),
                 "--router-mode", dyn["router_mode"], "--router-session-affinity-ttl-secs",
                 str(r.knob("dynamo_session_affinity_ttl", dyn["session_affinity_ttl_secs"])),
+                "--migration-limit", str(dyn["migration_limit"]),
                 "--discovery-backend", dyn["discovery_backend"], "--event-plane", dyn["event_plane"]]
         emit_check("dynamo_frontend", argv[len(dyn["frontend"]):])
         env = EngineArgv(r).dynamo_discovery_env(host.address)

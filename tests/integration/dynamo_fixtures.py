@@ -171,7 +171,7 @@ class Stack:
             self.python(
                 "dynamo.frontend",
                 "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-                "--router-mode", "kv", "--router-session-affinity-ttl-secs", "60",
+                "--router-mode", "kv", "--router-session-affinity-ttl-secs", "60", "--migration-limit", "3",
                 "--discovery-backend", "file", "--event-plane", "nats", "--namespace", self.namespace,
             ),
         )  # fmt: skip

@@ -473,6 +473,8 @@ def test_nvidia_defaults_to_dynamo_with_kv_router_and_session_affinity():
     assert r["argv"][:3] == ["python3", "-m", "dynamo.frontend"]
     assert flag(r["argv"], "--router-mode") == "kv"
     assert int(flag(r["argv"], "--router-session-affinity-ttl-secs")) > 0
+    # a redeploy's SIGTERM takes a worker out of discovery; the frontend resends what it cancelled there
+    assert int(flag(r["argv"], "--migration-limit")) >= 1
     for s in p["servers"]:
         args = s["ranks"][0]["argv"]
         assert args[:3] == ["python3", "-m", "dynamo.sglang"]
