@@ -5,7 +5,8 @@ A Dynamo worker drains itself: on SIGTERM it leaves discovery, finishes its in-f
 (dynamo.sglang's graceful shutdown), so `k31 redeploy` stops rank 0 first and waits for it. Each start of a
 worker takes a new request-plane port (launch.start_env), so the frontend never sends a request over its pooled
 connection to the old process. Asserted: every request completes, both ranks of each two-tray server restart in
-the same step with the gate on rank 0, and the seed's PD rule (the prefills restart after the decodes).
+the same step with the gate on rank 0, and the seed's PD rule (the prefills restart after the decodes); and the
+frontend resends to another worker a request it had sent to one that then left discovery (its migration).
 
 Needs root, podman, runc, debootstrap and the Dynamo wheels (built into .k31/wheelhouse when missing).
 """
@@ -148,6 +149,46 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
     # Canary decode first, then the other, then the prefills (the seed's rule: after the decodes).
     order = sorted(SERVERS, key=lambda s: after[(s, 0)][0])
     assert order[:2] == ["decode0", "decode1"] and set(order[2:]) == {"prefill0", "prefill1"}, order
+
+
+ETCDCTL = ("ETCDCTL_API=3 etcdctl --endpoints https://127.0.0.1:2379 --cacert /etc/k31/pki/ca.crt "
+           "--cert /etc/k31/pki/host.crt --key /etc/k31/pki/host.key")
+
+
+def test_a_request_sent_to_a_worker_as_it_leaves_discovery_is_resent_to_another(cluster):
+    """The frontend's migration (--migration-limit), which resends a request a worker leaving discovery cost it:
+    a redeploy met that race once in 151 requests ("Cancelled stream registrations for removed instance", then
+    503 "no backend worker available" at limit 0). Made certain here: decode0's worker is frozen (SIGSTOP), ten
+    new sessions start (the KV router sends some of them to it), and its discovery record goes as its SIGTERM
+    would take it. The requests sent to it time out (Dynamo's 5 s) and the frontend resends them to decode1;
+    at --migration-limit 0 they were 504s here (5 of 10)."""
+    _, inventory = cluster
+    hosts = yaml.safe_load(inventory.read_text())["all"]["children"]
+    address = {h: v["ansible_host"] for g in hosts.values() for h, v in (g or {}).get("hosts", {}).items()}
+    client = inventory.parent / "client"
+    load = LoadGen(f"https://{address['router0']}:8000", sessions=10, turns=1, max_requests=10, deadline=60,
+                   max_tokens=40, timeout=120, model=MODEL, verify=str(client / "ca.crt"),
+                   cert=(str(client / "client.crt"), str(client / "client.key")))
+    since = node_sh(NAME, "router0", "date +%s").strip()
+    node_sh(NAME, "decode0-t0", "systemctl kill -s STOP --kill-who=all k31-decode0-r0")
+    try:
+        load.start()
+        time.sleep(3)     # every request routed; the frontend's TCP request timeout (5 s) not reached
+        lines = node_sh(NAME, "router0", f"{ETCDCTL} get --prefix v1/instances/dynamo/backend/").splitlines()
+        record = [key for key, value in zip(lines[::2], lines[1::2], strict=True)
+                  if f'"tcp":"{address["decode0-t0"]}:' in value]
+        assert len(record) == 1, lines
+        node_sh(NAME, "router0", f"{ETCDCTL} del {record[0]}")
+        report = load.wait()
+    finally:
+        node_sh(NAME, "decode0-t0", "systemctl kill -s CONT --kill-who=all k31-decode0-r0")
+    journal = node_sh(NAME, "router0", f"journalctl --no-pager -u k31-dynamo-frontend --since=@{since}")
+    cancelled = [int(n) for n in re.findall(r"Cancelled stream registrations for removed instance.*cancelled=(\d+)",
+                                            journal)]
+    print(f"{report.summary()}; the frontend cancelled {cancelled} on decode0 leaving discovery")
+    assert report.counts["complete"] == len(report.records) == 10, (report.counts, [
+        (round(r.start, 1), r.outcome, r.status, r.detail[:300]) for r in report.failures()])
+    assert "migration retry scheduled" in journal, "no request reached the frozen decode0"
 
 
 def test_teardown_removes_the_workers_request_port_records(cluster):
