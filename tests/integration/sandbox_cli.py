@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
@@ -61,6 +62,12 @@ def playbook(env, inventory, path, *args, timeout=600):
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
     assert "Traceback" not in proc.stderr
     return proc
+
+
+def host_addresses(inventory: Path) -> dict[str, str]:
+    """Each node's address in a sandbox inventory (ansible_host, by host name)."""
+    groups = yaml.safe_load(inventory.read_text())["all"]["children"]
+    return {h: v["ansible_host"] for g in groups.values() for h, v in (g or {}).get("hosts", {}).items()}
 
 
 def node(sandbox: str, host: str) -> str:

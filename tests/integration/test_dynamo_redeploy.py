@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sandbox_cli import REPO, cli_env, k31, node_sh, playbook, unit_state
+from sandbox_cli import REPO, cli_env, host_addresses, k31, node_sh, playbook, unit_state
 
 from k31deploy import wheelhouse
 from k31deploy.loadgen import LoadGen
@@ -71,6 +71,20 @@ def started(host, server, rank):
     return state["started"], state["restarts"]
 
 
+def frontend_load(inventory: Path, **settings) -> tuple[LoadGen, dict[str, str]]:
+    """Streaming chat sessions against the Dynamo frontend on router0 (HTTPS, the sandbox's client certificate),
+    and each host's address."""
+    address = host_addresses(inventory)
+    client = inventory.parent / "client"
+    return LoadGen(f"https://{address['router0']}:8000", timeout=120, model=MODEL, verify=str(client / "ca.crt"),
+                   cert=(str(client / "client.crt"), str(client / "client.key")), **settings), address
+
+
+def failed(report) -> list[tuple]:
+    """Each request that did not complete: when it started, its outcome, HTTP status and why."""
+    return [(round(r.start, 1), r.outcome, r.status, r.detail[:300]) for r in report.failures()]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
@@ -93,12 +107,7 @@ def cluster(tmp_path_factory):
 
 def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_request(cluster):
     env, inventory = cluster
-    hosts = yaml.safe_load(inventory.read_text())["all"]["children"]
-    address = {h: v["ansible_host"] for g in hosts.values() for h, v in (g or {}).get("hosts", {}).items()}
-    client = inventory.parent / "client"
-    load = LoadGen(f"https://{address['router0']}:8000", sessions=6, turns=4, max_requests=3000, deadline=900,
-                   max_tokens=160, timeout=120, model=MODEL, verify=str(client / "ca.crt"),
-                   cert=(str(client / "client.crt"), str(client / "client.key")))
+    load, _ = frontend_load(inventory, sessions=6, turns=4, max_requests=3000, deadline=900, max_tokens=160)
     before = {(s, r): started(f"{s}-t{r}", s, r) for s in SERVERS for r in (0, 1)}
     ports = {s: request_port(s) for s in SERVERS}
     with load:
@@ -125,8 +134,7 @@ def test_rolling_redeploy_of_every_two_tray_server_behind_dynamo_fails_no_reques
             print(f"== {host}: {unit}'s warnings and errors\n" + node_sh(
                 NAME, host, f"journalctl -o short-monotonic --no-pager -u {unit} | grep -iE 'warn|error|fail'"
                             " | tail -n 40", check=False))
-    assert report.counts["complete"] == len(report.records), (report.counts, [
-        (round(r.start, 1), r.outcome, r.status, r.detail[:300]) for r in report.failures()])
+    assert report.counts["complete"] == len(report.records), (report.counts, failed(report))
     taken = {server: request_port(server) for server in SERVERS}
     for server in [s for s in SERVERS if taken[s] != ports[s] + 1]:    # a second start: say whose
         for host, journal in journals(server).items():
@@ -163,12 +171,7 @@ def test_a_request_sent_to_a_worker_as_it_leaves_discovery_is_resent_to_another(
     would take it. The requests sent to it time out (Dynamo's 5 s) and the frontend resends them to decode1;
     at --migration-limit 0 they were 504s here (5 of 10)."""
     _, inventory = cluster
-    hosts = yaml.safe_load(inventory.read_text())["all"]["children"]
-    address = {h: v["ansible_host"] for g in hosts.values() for h, v in (g or {}).get("hosts", {}).items()}
-    client = inventory.parent / "client"
-    load = LoadGen(f"https://{address['router0']}:8000", sessions=10, turns=1, max_requests=10, deadline=60,
-                   max_tokens=40, timeout=120, model=MODEL, verify=str(client / "ca.crt"),
-                   cert=(str(client / "client.crt"), str(client / "client.key")))
+    load, address = frontend_load(inventory, sessions=10, turns=1, max_requests=10, deadline=60, max_tokens=40)
     since = node_sh(NAME, "router0", "date +%s").strip()
     node_sh(NAME, "decode0-t0", "systemctl kill -s STOP --kill-who=all k31-decode0-r0")
     try:
@@ -186,8 +189,7 @@ def test_a_request_sent_to_a_worker_as_it_leaves_discovery_is_resent_to_another(
     cancelled = [int(n) for n in re.findall(r"Cancelled stream registrations for removed instance.*cancelled=(\d+)",
                                             journal)]
     print(f"{report.summary()}; the frontend cancelled {cancelled} on decode0 leaving discovery")
-    assert report.counts["complete"] == len(report.records) == 10, (report.counts, [
-        (round(r.start, 1), r.outcome, r.status, r.detail[:300]) for r in report.failures()])
+    assert report.counts["complete"] == len(report.records) == 10, (report.counts, failed(report))
     assert "migration retry scheduled" in journal, "no request reached the frozen decode0"
 
 

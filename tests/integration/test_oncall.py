@@ -56,7 +56,7 @@ import httpx
 import pytest
 import yaml
 from recaps import changed
-from sandbox_cli import REPO, cli_env, k31, node, node_sh, playbook, unit_state, wait_for
+from sandbox_cli import REPO, cli_env, host_addresses, k31, node, node_sh, playbook, unit_state, wait_for
 
 from k31deploy import pki, wheelhouse
 from k31deploy.loadgen import LoadGen, Report
@@ -131,8 +131,7 @@ class Cluster:
     def __init__(self, env, inventory):
         self.env = env
         self.inventory = inventory
-        data = yaml.safe_load(inventory.read_text())["all"]["children"]
-        self.address = {h: v["ansible_host"] for g in data.values() for h, v in (g or {}).get("hosts", {}).items()}
+        self.address = host_addresses(inventory)
         self.router = f"http://{self.address['router0']}:8000"
         # The sandbox's credentials: clients send the router key; the worker API takes the control-plane key.
         secrets = yaml.safe_load((inventory.parent / "secrets.yml").read_text())
